@@ -1,0 +1,29 @@
+# The two commands of README.md, and a few for developers.
+VENV ?= .venv
+STATE ?= .state
+
+.PHONY: up down test lint bootstrap status bench clean
+
+up: bootstrap
+	$(VENV)/bin/hpcserve up --state-dir $(STATE)
+
+down:
+	@if [ -x $(VENV)/bin/hpcserve ]; then $(VENV)/bin/hpcserve down --state-dir $(STATE); \
+	else echo "nothing to stop: no $(VENV)"; fi
+
+test: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest
+
+lint: bootstrap
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check hpcserve router gateway poolmgr engine_launch
+
+status: bootstrap
+	$(VENV)/bin/hpcserve status --config $(STATE)/hpcserve.toml
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+clean: down
+	rm -rf $(STATE)

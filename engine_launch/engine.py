@@ -1,0 +1,213 @@
+"""`hpcserve engine`: what runs inside a Slurm job (or a local process).
+
+Starts vLLM's OpenAI server on a free port, waits for /health showing progress,
+registers the replica with the router and heartbeats its load. On SIGTERM,
+SIGUSR1 or SIGINT it deregisters first (gateways stop sending new work), then
+sends SIGTERM to vLLM's API server process only, which drains in-flight
+requests for up to --drain-s and exits. If vLLM dies on its own the replica
+deregisters and the command exits non-zero, so Slurm records a failed job and
+the pool manager replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+
+from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.engine_launch.load import parse_vllm_load
+from hpcserve.engine_launch.topology import topology_from_env
+from hpcserve.engine_launch.vllm_args import EngineSpec, vllm_argv, vllm_env
+from hpcserve.router import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model_path: str
+    served_model_name: str
+    router: str
+    pool: str = ""
+    engine: str = "vllm"
+    python: str = ""
+    bind_host: str = "0.0.0.0"
+    advertise_host: str = ""
+    port: int = 0
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    heartbeat_s: float = 2.0
+    ready_timeout_s: float = 900.0
+    drain_s: int = 30
+    extra_args: tuple[str, ...] = ()
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host if host != "0.0.0.0" else "", 0))
+        return int(s.getsockname()[1])
+
+
+def _http_get(url: str, timeout_s: float) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, resp.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as err:
+        return err.code, ""
+
+
+class EngineRunner:
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        self.topology = topology_from_env(os.environ)
+        local_host = "127.0.0.1" if options.bind_host in ("0.0.0.0", "") else options.bind_host
+        self.port = options.port or free_port(options.bind_host)
+        self.local_url = f"http://{local_host}:{self.port}"
+        advertise = options.advertise_host or socket.gethostname()
+        self.public_url = f"http://{advertise}:{self.port}"
+        self.spec = EngineSpec(
+            model_path=options.model_path,
+            served_model_name=options.served_model_name,
+            engine=options.engine,
+            python=options.python or sys.executable,
+            bind_host=options.bind_host,
+            port=self.port,
+            tensor_parallel=options.tensor_parallel,
+            pipeline_parallel=options.pipeline_parallel,
+            drain_s=options.drain_s,
+            extra_args=options.extra_args,
+        )
+        job = self.topology.job_id
+        self.replica_id = (
+            f"{options.pool or options.served_model_name}-"
+            + (f"j{job}" if job else f"{socket.gethostname()}-{os.getpid()}")
+            + f"-{uuid.uuid4().hex[:6]}"
+        )
+        self._stop = threading.Event()
+        self._stop_reason = ""
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def request_stop(self, reason: str) -> None:
+        if not self._stop.is_set():
+            self._stop_reason = reason
+            log.info("stop requested: %s", reason)
+            self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, lambda num, _f: self.request_stop(signal.Signals(num).name))
+
+    def start_vllm(self) -> None:
+        argv = vllm_argv(self.spec)
+        log.info("starting vLLM: %s", " ".join(argv))
+        self.process = subprocess.Popen(argv, env=vllm_env(self.spec, os.environ))
+
+    def wait_ready(self) -> None:
+        assert self.process is not None
+        started = time.monotonic()
+        next_report = started + 10
+        while not self._stop.is_set():
+            code = self.process.poll()
+            if code is not None:
+                raise EngineFailed(f"vLLM exited with code {code} before it was ready")
+            try:
+                status, _ = _http_get(self.local_url + "/health", 2.0)
+                if status == 200:
+                    log.info(
+                        "vLLM ready at %s after %.0fs", self.local_url, time.monotonic() - started
+                    )
+                    return
+            except OSError:
+                pass
+            now = time.monotonic()
+            if now - started > self.options.ready_timeout_s:
+                raise EngineFailed(
+                    f"vLLM not ready after {self.options.ready_timeout_s:g}s "
+                    "(raise engine.ready_timeout_s / --ready-timeout-s to wait longer)"
+                )
+            if now >= next_report:
+                log.info("waiting for vLLM /health: %.0fs elapsed", now - started)
+                next_report = now + 10
+            self._stop.wait(0.5)
+
+    def read_load(self) -> p.ReplicaLoad | None:
+        try:
+            status, text = _http_get(self.local_url + "/metrics", 2.0)
+        except OSError:
+            return None
+        return parse_vllm_load(text) if status == 200 else None
+
+    def registration(self) -> p.Register:
+        return p.Register(
+            replica_id=self.replica_id,
+            model=self.options.served_model_name,
+            url=self.public_url,
+            pool=self.options.pool,
+            slurm_job_id=self.topology.job_id,
+            node=self.topology.node,
+            tensor_parallel=self.options.tensor_parallel,
+            pipeline_parallel=self.options.pipeline_parallel,
+        )
+
+    def serve(self, agent: RegistryAgent) -> None:
+        """Heartbeat until asked to stop or vLLM dies."""
+        assert self.process is not None
+        agent.register()
+        last_load = p.ReplicaLoad()
+        while not self._stop.is_set():
+            code = self.process.poll()
+            if code is not None:
+                raise EngineFailed(f"vLLM exited with code {code} while serving")
+            last_load = self.read_load() or last_load
+            agent.heartbeat(last_load)
+            deadline = time.monotonic() + self.options.heartbeat_s
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                agent.process_replies(min(0.2, max(deadline - time.monotonic(), 0)))
+
+    def stop_vllm(self) -> int:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc is not None else 0
+        log.info("stopping vLLM (pid %d): draining up to %ds", proc.pid, self.options.drain_s)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(self.options.drain_s + 15)
+        except subprocess.TimeoutExpired:
+            log.warning(
+                "vLLM did not exit within %ds of SIGTERM; killing it", self.options.drain_s + 15
+            )
+            proc.kill()
+            return proc.wait()
+
+    def run(self) -> int:
+        self.install_signal_handlers()
+        agent = RegistryAgent(self.options.router, self.registration())
+        failure: EngineFailed | None = None
+        try:
+            self.start_vllm()
+            self.wait_ready()
+            if not self._stop.is_set():
+                self.serve(agent)
+        except EngineFailed as err:
+            failure = err
+            log.error("engine failed: %s", err)
+        finally:
+            agent.deregister(self._stop_reason or (str(failure) if failure else "stopping"))
+            agent.close()
+            code = self.stop_vllm()
+            log.info("engine stopped (vLLM exit code %s)", code)
+        return 1 if failure else 0

@@ -1,0 +1,3 @@
+"""hpcserve: Slurm-native serving of open-weight LLMs behind one OpenAI-compatible endpoint."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,253 @@
+"""`hpcserve`: one console script, a subcommand per component."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from hpcserve.config import ConfigError, PlatformConfig, load_config
+
+DEFAULT_STATE_DIR = ".state"
+
+
+def _config_path(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    if os.environ.get("HPCSERVE_CONFIG"):
+        return Path(os.environ["HPCSERVE_CONFIG"])
+    return Path(DEFAULT_STATE_DIR) / "hpcserve.toml"
+
+
+def _load(args: argparse.Namespace) -> PlatformConfig:
+    return load_config(_config_path(args.config))
+
+
+def _start_metrics(port: int, registry: object) -> None:
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr="127.0.0.1", registry=registry)  # type: ignore[arg-type]
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from hpcserve.router.server import RouterServer
+
+    cfg = _load(args)
+    registry = CollectorRegistry()
+    server = RouterServer(cfg.router, metrics_registry=registry)
+    server.bind()
+    _start_metrics(cfg.router.metrics_port, registry)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    server.serve_forever()
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from hpcserve.gateway.server import run_gateway
+
+    run_gateway(_load(args))
+    return 0
+
+
+def cmd_poolmgr(args: argparse.Namespace) -> int:
+    from prometheus_client import CollectorRegistry
+
+    from hpcserve.poolmgr.launchers import LocalLauncher, make_launcher
+    from hpcserve.poolmgr.manager import PoolManager, build_job_spec
+    from hpcserve.poolmgr.render import render
+
+    cfg = _load(args)
+    if args.check:
+        print(f"config {_config_path(args.config)} is valid")
+        for pool in cfg.pools:
+            print(
+                f"pool {pool.name}: model {pool.model} from {pool.model_path}, "
+                f"{pool.replicas} replica(s) x {pool.gpus_per_replica} GPU(s), "
+                f"TP={pool.tensor_parallel} PP={pool.pipeline_parallel}, engine {pool.engine}"
+            )
+        if cfg.pools and args.show_script:
+            print(render(build_job_spec(cfg, cfg.pools[0])))
+        return 0
+    registry = CollectorRegistry()
+    launcher = make_launcher(cfg)
+    manager = PoolManager(cfg, launcher, metrics_registry=registry)
+    _start_metrics(cfg.poolmgr.metrics_port, registry)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: manager.stop())
+    try:
+        manager.run_forever()
+    finally:
+        if isinstance(launcher, LocalLauncher):
+            launcher.shutdown(timeout_s=cfg.slurm.drain_s + 15)
+    return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    from hpcserve.engine_launch.engine import EngineOptions, EngineRunner
+
+    extra = list(args.engine_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    options = EngineOptions(
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        router=args.router,
+        pool=args.pool,
+        engine=args.engine,
+        python=args.python,
+        bind_host=args.bind_host,
+        advertise_host=args.advertise_host,
+        port=args.port,
+        tensor_parallel=args.tensor_parallel,
+        pipeline_parallel=args.pipeline_parallel,
+        heartbeat_s=args.heartbeat_s,
+        ready_timeout_s=args.ready_timeout_s,
+        drain_s=args.drain_s,
+        extra_args=tuple(extra),
+    )
+    return EngineRunner(options).run()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from hpcserve.stack import Stack
+
+    return Stack(Path(args.state_dir), config_path=args.config, slurm_port=args.slurm_port).up(
+        launcher=args.launcher, timeout_s=args.timeout
+    )
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from hpcserve.stack import Stack
+
+    return Stack(Path(args.state_dir), config_path=args.config, slurm_port=args.slurm_port).down()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hpcserve.status import collect_status, format_status
+
+    status = collect_status(_load(args))
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from hpcserve.tinymodels import make_tiny_model
+
+    out = make_tiny_model(
+        args.kind,
+        Path(args.dir),
+        seed=args.seed,
+        size=args.size,
+        progress=lambda line: print(line, file=sys.stderr),
+    )
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpcserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument(
+            "--config",
+            help="platform config (TOML); default $HPCSERVE_CONFIG "
+            f"or {DEFAULT_STATE_DIR}/hpcserve.toml",
+        )
+        return p
+
+    with_config(sub.add_parser("router", help="run the router")).set_defaults(func=cmd_router)
+    with_config(sub.add_parser("gateway", help="run the OpenAI-compatible gateway")).set_defaults(
+        func=cmd_gateway
+    )
+    p = with_config(sub.add_parser("poolmgr", help="run the pool manager"))
+    p.add_argument("--check", action="store_true", help="validate the config, print the plan")
+    p.add_argument(
+        "--show-script",
+        action="store_true",
+        help="with --check: print the sbatch script of the first pool",
+    )
+    p.set_defaults(func=cmd_poolmgr)
+
+    p = sub.add_parser("engine", help="run one replica (inside a Slurm job)")
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--served-model-name", required=True)
+    p.add_argument("--router", required=True, help="router registry endpoint, tcp://host:port")
+    p.add_argument("--pool", default="")
+    p.add_argument("--engine", choices=["vllm", "vllm-cpu"], default="vllm")
+    p.add_argument("--python", default="", help="interpreter that has vLLM (default: this one)")
+    p.add_argument("--bind-host", default="0.0.0.0")
+    p.add_argument("--advertise-host", default="", help="host gateways use (default: hostname)")
+    p.add_argument("--port", type=int, default=0, help="vLLM port (default: a free one)")
+    p.add_argument("--tensor-parallel", type=int, default=1)
+    p.add_argument("--pipeline-parallel", type=int, default=1)
+    p.add_argument("--heartbeat-s", type=float, default=2.0)
+    p.add_argument("--ready-timeout-s", type=float, default=900.0)
+    p.add_argument("--drain-s", type=int, default=30)
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra vLLM arguments")
+    p.set_defaults(func=cmd_engine)
+
+    for name, func, text in (
+        ("up", cmd_up, "start the whole stack (local demo cluster)"),
+        ("down", cmd_down, "stop everything `up` started"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--state-dir", default=DEFAULT_STATE_DIR)
+        p.add_argument("--config", help="use this platform config instead of the demo one")
+        p.add_argument(
+            "--slurm-port",
+            type=int,
+            default=16817,
+            help="slurmctld port of the local cluster (slurmds use the next ports)",
+        )
+        if name == "up":
+            p.add_argument(
+                "--launcher",
+                choices=["slurm", "local"],
+                default=None,
+                help="slurm (default where Slurm can run) or local processes",
+            )
+            p.add_argument(
+                "--timeout", type=float, default=900.0, help="seconds to wait for the first replica"
+            )
+        p.set_defaults(func=func)
+
+    p = with_config(sub.add_parser("status", help="pools, jobs and replicas"))
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+
+    models = sub.add_parser("models", help="model tools")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="COMMAND")
+    p = msub.add_parser("make-tiny", help="write a tiny random-weight HF model directory")
+    p.add_argument("--kind", choices=["chat", "embed", "rerank"], required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hpcserve.logs import setup_logging
+
+    setup_logging(args.command)
+    try:
+        return int(args.func(args))
+    except ConfigError as err:
+        print(f"hpcserve {args.command}: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""`hpcserve status`: pools, their Slurm jobs and live replicas, as a table or JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hpcserve.config import PlatformConfig
+from hpcserve.poolmgr.identity import parse_comment
+from hpcserve.router.client import RouterQueryError, list_replicas
+
+
+def collect_jobs(config: PlatformConfig) -> list[dict[str, Any]]:
+    from hpcserve.poolmgr.launchers import make_launcher
+
+    snapshot = make_launcher(config).jobs(name_prefix=config.poolmgr.job_name_prefix + "-")
+    jobs = []
+    for job in snapshot.jobs:
+        identity = parse_comment(job.comment)
+        if identity is None or not job.state.is_active:
+            continue
+        jobs.append(
+            {
+                "job_id": job.job_id,
+                "pool": identity.pool,
+                "state": job.state.value,
+                "node": ",".join(job.nodes),
+                "reason": job.state_reason,
+                "started": job.start_time,
+                "time_limit_s": job.time_limit_s,
+            }
+        )
+    return jobs
+
+
+def collect_status(config: PlatformConfig) -> dict[str, Any]:
+    status: dict[str, Any] = {"pools": [], "jobs": [], "replicas": [], "errors": []}
+    try:
+        status["jobs"] = collect_jobs(config)
+    except Exception as err:
+        status["errors"].append(f"slurm: {err}")
+    try:
+        replicas = list_replicas(config.router.gateways_dial())
+        status["replicas"] = [
+            {
+                "replica_id": r.replica_id,
+                "model": r.model,
+                "pool": r.pool,
+                "url": r.url,
+                "job_id": r.slurm_job_id,
+                "node": r.node,
+                "in_flight": r.in_flight,
+                "running": r.load.running,
+                "waiting": r.load.waiting,
+                "age_s": round(r.age_s),
+            }
+            for r in replicas
+        ]
+    except RouterQueryError as err:
+        status["errors"].append(f"router: {err}")
+    for pool in config.pools:
+        status["pools"].append(
+            {
+                "pool": pool.name,
+                "model": pool.model,
+                "desired": pool.replicas,
+                "jobs": sum(1 for j in status["jobs"] if j["pool"] == pool.name),
+                "serving": sum(1 for r in status["replicas"] if r["pool"] == pool.name),
+            }
+        )
+    return status
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    cells = [
+        [str(row.get(c, "")) if row.get(c) is not None else "-" for c in columns] for row in rows
+    ]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return lines
+
+
+def format_status(status: dict[str, Any]) -> str:
+    lines = _table(status["pools"], ["pool", "model", "desired", "jobs", "serving"])
+    if status["jobs"]:
+        lines += ["", *_table(status["jobs"], ["job_id", "pool", "state", "node", "reason"])]
+    if status["replicas"]:
+        lines += [
+            "",
+            *_table(
+                status["replicas"],
+                [
+                    "replica_id",
+                    "model",
+                    "job_id",
+                    "node",
+                    "url",
+                    "age_s",
+                    "in_flight",
+                    "running",
+                    "waiting",
+                ],
+            ),
+        ]
+    lines += [f"error: {e}" for e in status["errors"]]
+    return "\n".join(lines)

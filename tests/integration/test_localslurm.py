@@ -1,0 +1,276 @@
+"""A real two-node Slurm cluster (hpcserve.localslurm) driven through SlurmCLI.
+
+The cluster runs in a temporary state dir on its own ports (not the demo's 16817); jobs start
+within about a second, so every test here finishes in a few seconds.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from hpcserve.localslurm import LocalSlurm, LocalSlurmError, LocalSlurmSpec, preflight
+from hpcserve.poolmgr.slurm import SlurmCLI, SlurmError
+from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+
+pytestmark = pytest.mark.slurm
+
+T = TypeVar("T")
+GPU1 = "#!/bin/bash\n#SBATCH --gres=gpu:1\nsleep 30\n"
+GPU4 = "#!/bin/bash\n#SBATCH --gres=gpu:4\nsleep 30\n"
+
+
+def _ports_free(first: int, count: int = 3) -> bool:
+    for port in range(first, first + count):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+    return True
+
+
+def _free_port_block() -> int:
+    for first in range(26817, 27817, 10):
+        if _ports_free(first):
+            return first
+    raise AssertionError("no free block of 3 ports in 26817..27817")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def conf_processes(conf: Path) -> list[str]:
+    """Live processes of the cluster whose config is `conf`: its daemons and job scripts
+    (the path of its state dir in their command line) and anything that has its SLURM_CONF
+    in the environment (slurmstepd, job processes)."""
+    found = []
+    env_entry = f"SLURM_CONF={conf}".encode()
+    for pid in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
+        try:
+            argv = (pid / "cmdline").read_bytes().split(b"\0")
+            environ = (pid / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        line = " ".join(a.decode(errors="replace") for a in argv if a)
+        if str(conf.parent) in line or env_entry in environ:
+            found.append(f"{pid.name}: {line}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    assert preflight() == [], preflight()
+    spec = LocalSlurmSpec(
+        state_dir=tmp_path_factory.mktemp("localslurm"), ctld_port=_free_port_block()
+    )
+    assert spec.ctld_port != 16817
+    local = LocalSlurm(spec)
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+    assert conf_processes(local.conf_path) == []
+
+
+@pytest.fixture
+def slurm(cluster: LocalSlurm) -> Iterator[SlurmCLI]:
+    client = SlurmCLI(cluster.env(), timeout_s=10)
+    yield client
+    # leave no active job to the next test
+    active = [j.job_id for j in client.jobs().jobs if j.state.is_active]
+    client.cancel(active)
+    wait_for(
+        "all jobs to end",
+        lambda: not any(j.state.is_active for j in client.jobs().jobs),
+        timeout=15,
+    )
+
+
+def submit(slurm: SlurmCLI, cluster: LocalSlurm, script: str, *args: str) -> int:
+    out = str(cluster.state_dir / "job-%j.out")
+    return slurm.submit(script, extra_args=["-o", out, *args])
+
+
+def job(slurm: SlurmCLI, job_id: int) -> SlurmJob:
+    (found,) = [j for j in slurm.jobs().jobs if j.job_id == job_id]
+    return found
+
+
+def test_start_is_idempotent(cluster: LocalSlurm) -> None:
+    assert cluster.is_running()
+    started = time.monotonic()
+    cluster.start()
+    assert time.monotonic() - started < 5
+    assert cluster.is_running()
+    assert cluster.env()["SLURM_CONF"] == str(cluster.conf_path)
+
+
+def test_both_nodes_idle(slurm: SlurmCLI) -> None:
+    nodes = {n.name: n for n in slurm.nodes()}
+    assert sorted(nodes) == ["n1", "n2"]
+    for node in nodes.values():
+        assert node.state == ["IDLE"]
+        assert node.gres == "gpu:4"
+        assert node.cpus == 2
+        assert node.partitions == ["gpu"]
+        assert not node.drained and not node.down
+    assert re.fullmatch(r"\d+\.\d+\.\d+", slurm.release())
+
+
+def test_trivial_job_runs_within_seconds(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
+    started = time.monotonic()
+    job_id = submit(slurm, cluster, GPU1, "-J", "hpcs-trivial")
+    running = wait_for(
+        "the job to run",
+        lambda: (j := job(slurm, job_id)).state is JobState.RUNNING and j,
+        timeout=5,
+    )
+    took = time.monotonic() - started
+    assert running.nodes in (["n1"], ["n2"])
+    assert running.batch_host == running.nodes[0]
+    assert running.name == "hpcs-trivial"
+    assert running.partition == "gpu"
+    assert running.start_time is not None
+    assert took < 3, f"job took {took:.2f} s to start"
+    before = slurm.calls["squeue"]
+    snap = slurm.jobs(name_prefix="hpcs-")
+    assert slurm.calls["squeue"] == before + 1
+    assert [j.job_id for j in snap.jobs if j.state.is_active] == [job_id]
+
+
+def test_three_full_node_jobs_two_run_one_waits(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
+    ids = [submit(slurm, cluster, GPU4, "-J", f"hpcs-big-{i}") for i in range(3)]
+
+    def settled() -> list[SlurmJob] | None:
+        jobs = [j for j in slurm.jobs().jobs if j.job_id in ids]
+        states = sorted(j.state.value for j in jobs)
+        pending = [j for j in jobs if j.state is JobState.PENDING]
+        if states == ["PENDING", "RUNNING", "RUNNING"] and pending[0].state_reason == "Resources":
+            return jobs
+        return None
+
+    jobs = wait_for("two running jobs and one pending on Resources", settled, timeout=8)
+    running = [j for j in jobs if j.state is JobState.RUNNING]
+    assert sorted(n for j in running for n in j.nodes) == ["n1", "n2"]
+    (pending,) = [j for j in jobs if j.state is JobState.PENDING]
+    assert pending.nodes == []
+    # one scancel for all three; the pending one can no longer start
+    slurm.cancel(ids)
+    assert slurm.calls["scancel"] == 1
+    wait_for(
+        "all three cancelled",
+        lambda: all(job(slurm, i).state is JobState.CANCELLED for i in ids),
+        timeout=15,
+    )
+
+
+def test_held_job_pends_with_reason(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
+    job_id = submit(slurm, cluster, GPU1, "--hold", "-J", "hpcs-held")
+    held = wait_for(
+        "the held reason",
+        lambda: (j := job(slurm, job_id)).state_reason.startswith("JobHeld") and j,
+        timeout=5,
+    )
+    assert held.state is JobState.PENDING
+    assert held.state_reason in ("JobHeldUser", "JobHeldAdmin")
+    assert held.nodes == [] and held.time_limit_s is None
+    slurm.cancel([job_id])
+    wait_for("cancelled", lambda: job(slurm, job_id).state is JobState.CANCELLED, timeout=5)
+
+
+def test_usr1_to_the_batch_shell_drains_the_job(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
+    marker = cluster.state_dir / "drained.txt"
+    script = (
+        "#!/bin/bash\n#SBATCH --gres=gpu:1\n"
+        f"trap 'echo drained > {marker}; kill $child; exit 0' USR1\n"
+        "sleep 60 & child=$!\nwait $child\n"
+    )
+    job_id = submit(slurm, cluster, script, "-J", "hpcs-drain")
+    wait_for("running", lambda: job(slurm, job_id).state is JobState.RUNNING, timeout=5)
+    time.sleep(0.3)  # let bash install the trap
+    slurm.cancel([job_id], signal="USR1", batch_only=True)
+    wait_for("completed", lambda: job(slurm, job_id).state is JobState.COMPLETED, timeout=10)
+    assert marker.read_text() == "drained\n"
+    # signalling a job that has ended is not an error
+    slurm.cancel([job_id], signal="USR1", batch_only=True)
+
+
+def test_drain_and_resume_a_node(slurm: SlurmCLI) -> None:
+    slurm.drain_node("n1", "xid 79 (test)")
+    n1 = wait_for(
+        "n1 drained",
+        lambda: next((n for n in slurm.nodes() if n.name == "n1" and n.drained), None),
+        5,
+    )
+    assert "DRAIN" in n1.state
+    assert n1.reason == "xid 79 (test)"
+    slurm.resume_node("n1")
+    n1 = wait_for(
+        "n1 idle again",
+        lambda: next((n for n in slurm.nodes() if n.name == "n1" and n.state == ["IDLE"]), None),
+        5,
+    )
+    assert n1.reason == ""
+
+
+def test_slurm_errors_quote_slurm(slurm: SlurmCLI) -> None:
+    with pytest.raises(SlurmError, match="scontrol update nodename=n9") as info:
+        slurm.drain_node("n9", "no such node")
+    assert "Invalid node name" in str(info.value)
+    with pytest.raises(SlurmError, match="sbatch --parsable --gres=tpu:1"):
+        slurm.submit(GPU1, extra_args=["--gres=tpu:1", "-o", "/dev/null"])
+
+
+def test_failed_daemon_names_its_log(tmp_path: Path) -> None:
+    class Broken(LocalSlurm):
+        def render_config(self) -> tuple[str, str]:
+            slurm_conf, gres_conf = super().render_config()
+            return slurm_conf + "NoSuchSlurmKey=1\n", gres_conf
+
+    broken = Broken(LocalSlurmSpec(tmp_path / "broken", ctld_port=_free_port_block()))
+    with pytest.raises(LocalSlurmError) as info:
+        broken.start(timeout=10)
+    assert str(broken.ctld_log) in str(info.value)
+    assert "NoSuchSlurmKey" in str(info.value)
+    assert conf_processes(broken.conf_path) == []
+
+
+def test_port_in_use_is_named(tmp_path: Path) -> None:
+    first = _free_port_block()
+    with socket.socket() as squatter:
+        squatter.bind(("0.0.0.0", first + 2))
+        squatter.listen()
+        other = LocalSlurm(LocalSlurmSpec(tmp_path / "other", ctld_port=first))
+        with pytest.raises(LocalSlurmError, match=f"{first + 2} \\(n2\\)"):
+            other.start(timeout=10)
+    assert conf_processes(other.conf_path) == []
+
+
+def test_stop_leaves_no_process(cluster: LocalSlurm) -> None:
+    client = SlurmCLI(cluster.env(), timeout_s=10)
+    job_id = submit(client, cluster, GPU1, "-J", "hpcs-left-running")
+    wait_for("running", lambda: job(client, job_id).state is JobState.RUNNING, timeout=5)
+    assert conf_processes(cluster.conf_path)
+    cluster.stop()
+    assert not cluster.is_running()
+    assert conf_processes(cluster.conf_path) == []
+    # stop() is idempotent, and start() brings the same cluster back with idle nodes
+    cluster.stop()
+    cluster.start()
+    assert {n.name: n.state for n in client.nodes()} == {"n1": ["IDLE"], "n2": ["IDLE"]}
