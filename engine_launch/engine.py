@@ -198,6 +198,11 @@ class EngineRunner:
         agent = RegistryAgent(self.options.router, self.registration())
         failure: EngineFailed | None = None
         try:
+            if not os.path.isdir(self.options.model_path):
+                raise EngineFailed(
+                    f"model path {self.options.model_path!r} is not a directory on node "
+                    f"{self.topology.node} (weights are read from disk, never downloaded)"
+                )
             self.start_vllm()
             self.wait_ready()
             if not self._stop.is_set():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -10,12 +9,7 @@ import pytest
 
 from hpcserve.config import RouterConfig
 from hpcserve.router.server import RouterServer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.ports import free_port
 
 
 @pytest.fixture

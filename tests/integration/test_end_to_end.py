@@ -29,7 +29,7 @@ from hpcserve.config import (
     hash_api_key,
 )
 from hpcserve.stack import Stack
-from tests.conftest import free_port
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 

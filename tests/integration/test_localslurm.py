@@ -9,97 +9,21 @@ from __future__ import annotations
 import re
 import socket
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
-from hpcserve.localslurm import LocalSlurm, LocalSlurmError, LocalSlurmSpec, preflight
+from hpcserve.localslurm import LocalSlurm, LocalSlurmError, LocalSlurmSpec
 from hpcserve.poolmgr.slurm import SlurmCLI, SlurmError
 from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+from tests.integration.slurm_helpers import conf_processes, free_port_block, wait_for
 
 pytestmark = pytest.mark.slurm
 
 T = TypeVar("T")
 GPU1 = "#!/bin/bash\n#SBATCH --gres=gpu:1\nsleep 30\n"
 GPU4 = "#!/bin/bash\n#SBATCH --gres=gpu:4\nsleep 30\n"
-
-
-def _ports_free(first: int, count: int = 3) -> bool:
-    for port in range(first, first + count):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                return False
-    return True
-
-
-def _free_port_block() -> int:
-    for first in range(26817, 27817, 10):
-        if _ports_free(first):
-            return first
-    raise AssertionError("no free block of 3 ports in 26817..27817")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
-
-
-def conf_processes(conf: Path) -> list[str]:
-    """Live processes of the cluster whose config is `conf`: its daemons and job scripts
-    (the path of its state dir in their command line) and anything that has its SLURM_CONF
-    in the environment (slurmstepd, job processes)."""
-    found = []
-    env_entry = f"SLURM_CONF={conf}".encode()
-    for pid in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
-        try:
-            argv = (pid / "cmdline").read_bytes().split(b"\0")
-            environ = (pid / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        line = " ".join(a.decode(errors="replace") for a in argv if a)
-        if str(conf.parent) in line or env_entry in environ:
-            found.append(f"{pid.name}: {line}")
-    return found
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    assert preflight() == [], preflight()
-    spec = LocalSlurmSpec(
-        state_dir=tmp_path_factory.mktemp("localslurm"), ctld_port=_free_port_block()
-    )
-    assert spec.ctld_port != 16817
-    local = LocalSlurm(spec)
-    local.start()
-    try:
-        yield local
-    finally:
-        local.stop()
-    assert conf_processes(local.conf_path) == []
-
-
-@pytest.fixture
-def slurm(cluster: LocalSlurm) -> Iterator[SlurmCLI]:
-    client = SlurmCLI(cluster.env(), timeout_s=10)
-    yield client
-    # leave no active job to the next test
-    active = [j.job_id for j in client.jobs().jobs if j.state.is_active]
-    client.cancel(active)
-    wait_for(
-        "all jobs to end",
-        lambda: not any(j.state.is_active for j in client.jobs().jobs),
-        timeout=15,
-    )
 
 
 def submit(slurm: SlurmCLI, cluster: LocalSlurm, script: str, *args: str) -> int:
@@ -243,7 +167,7 @@ def test_failed_daemon_names_its_log(tmp_path: Path) -> None:
             slurm_conf, gres_conf = super().render_config()
             return slurm_conf + "NoSuchSlurmKey=1\n", gres_conf
 
-    broken = Broken(LocalSlurmSpec(tmp_path / "broken", ctld_port=_free_port_block()))
+    broken = Broken(LocalSlurmSpec(tmp_path / "broken", ctld_port=free_port_block()))
     with pytest.raises(LocalSlurmError) as info:
         broken.start(timeout=10)
     assert str(broken.ctld_log) in str(info.value)
@@ -252,7 +176,7 @@ def test_failed_daemon_names_its_log(tmp_path: Path) -> None:
 
 
 def test_port_in_use_is_named(tmp_path: Path) -> None:
-    first = _free_port_block()
+    first = free_port_block()
     with socket.socket() as squatter:
         squatter.bind(("0.0.0.0", first + 2))
         squatter.listen()

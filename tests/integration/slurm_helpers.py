@@ -1,0 +1,57 @@
+"""Helpers for tests against a real Slurm cluster."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _ports_free(first: int, count: int = 3) -> bool:
+    for port in range(first, first + count):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_block() -> int:
+    for first in range(26817, 27817, 10):
+        if _ports_free(first):
+            return first
+    raise AssertionError("no free block of 3 ports in 26817..27817")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def conf_processes(conf: Path) -> list[str]:
+    """Live processes of the cluster whose config is `conf`: its daemons and job scripts
+    (the path of its state dir in their command line) and anything that has its SLURM_CONF
+    in the environment (slurmstepd, job processes)."""
+    found = []
+    env_entry = f"SLURM_CONF={conf}".encode()
+    for pid in (p for p in Path("/proc").iterdir() if p.name.isdigit()):
+        try:
+            argv = (pid / "cmdline").read_bytes().split(b"\0")
+            environ = (pid / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        line = " ".join(a.decode(errors="replace") for a in argv if a)
+        if str(conf.parent) in line or env_entry in environ:
+            found.append(f"{pid.name}: {line}")
+    return found
