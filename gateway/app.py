@@ -60,12 +60,13 @@ class Gateway:
         routing_endpoint: str,
         configured_models: set[str],
         metrics_registry: CollectorRegistry | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.config = config
         self.configured_models = configured_models
         self.keys = KeyRing(config.api_keys)
         self.routing = RoutingClient(routing_endpoint, timeout_s=config.route_timeout_s)
-        self.relay = Relay(upstream_timeout_s=config.upstream_timeout_s)
+        self.relay = relay or Relay(upstream_timeout_s=config.upstream_timeout_s)
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.metrics_registry)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import PlatformConfig, PoolConfig
-from hpcserve.poolmgr.identity import new_identity, parse_comment
+from hpcserve.poolmgr.identity import JobIdentity, new_identity, parse_comment
 from hpcserve.poolmgr.reconcile import Cancel, Drain, ObservedJob, PoolMemory, Submit, reconcile
 from hpcserve.poolmgr.render import JobSpec, render
 from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
@@ -117,7 +117,6 @@ class PoolManager:
         self.metrics = PoolMgrMetrics(metrics_registry or CollectorRegistry())
         self._clock = clock
         self._stop = threading.Event()
-        self.last_jobs: list[SlurmJob] = []
         self._seen_states: dict[int, JobState] = {}
         self.log_dir = job_log_dir(config)
 
@@ -130,51 +129,47 @@ class PoolManager:
 
     def observe(self) -> list[ObservedJob]:
         snapshot = self.slurm.jobs(name_prefix=self.prefix + "-")
-        observed: list[ObservedJob] = []
-        live: list[SlurmJob] = []
-        for job in snapshot.jobs:
-            identity = parse_comment(job.comment)
-            if identity is None or not job.state.is_active:
-                continue
-            live.append(job)
-            observed.append(
-                ObservedJob(
-                    job.job_id,
-                    identity.pool,
-                    pending=job.state is JobState.PENDING,
-                    submit_time=job.submit_time,
-                )
+        ours = [
+            (job, identity)
+            for job in snapshot.jobs
+            if (identity := parse_comment(job.comment)) is not None
+        ]
+        self._log_state_changes(ours)
+        observed = [
+            ObservedJob(
+                job.job_id,
+                identity.pool,
+                pending=job.state is JobState.PENDING,
+                submit_time=job.submit_time,
             )
-        self._log_state_changes(snapshot.jobs)
-        self.last_jobs = live
+            for job, identity in ours
+            if job.state.is_active
+        ]
         still_there = {j.job_id for j in observed}
         for job_id in list(self.memory.draining_since):
             if job_id not in still_there:
                 del self.memory.draining_since[job_id]
         return observed
 
-    def _log_state_changes(self, jobs: list[SlurmJob]) -> None:
-        current = {job.job_id: job.state for job in jobs if parse_comment(job.comment)}
-        for job in jobs:
+    def _log_state_changes(self, ours: list[tuple[SlurmJob, JobIdentity]]) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for job, identity in ours:
             before = self._seen_states.get(job.job_id)
-            if job.job_id in current and before is not job.state:
+            if before is not job.state:
                 reason = f" ({job.state_reason})" if job.state_reason not in ("", "None") else ""
                 nodes = f" on {','.join(job.nodes)}" if job.nodes else ""
                 log.info(
-                    "job %d %s -> %s%s%s",
+                    "pool %s: job %d %s -> %s%s%s",
+                    identity.pool,
                     job.job_id,
                     before.value if before else "new",
                     job.state.value,
                     nodes,
                     reason,
                 )
-        self._seen_states = current
-        counts: dict[tuple[str, str], int] = {}
-        for job in jobs:
-            identity = parse_comment(job.comment)
-            if identity is not None:
-                key = (identity.pool, job.state.value)
-                counts[key] = counts.get(key, 0) + 1
+            key = (identity.pool, job.state.value)
+            counts[key] = counts.get(key, 0) + 1
+        self._seen_states = {job.job_id: job.state for job, _ in ours}
         self.metrics.jobs.clear()
         for (pool, state), n in counts.items():
             self.metrics.jobs.labels(pool, state).set(n)

@@ -40,7 +40,7 @@ def _snippet(text: object) -> str:
     return repr(s if len(s) <= _SNIPPET else s[:_SNIPPET] + "...")
 
 
-class JobState(str, enum.Enum):  # noqa: UP042 (StrEnum needs 3.11; we support 3.10)
+class JobState(enum.StrEnum):
     PENDING = "PENDING"
     CONFIGURING = "CONFIGURING"
     RUNNING = "RUNNING"

@@ -40,12 +40,18 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 say "installing hpcserve[$extras] into $VENV (first time: a few minutes, ~3.5 GB for vLLM)"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q -e ".[$extras]" 2>&1 | grep -v -e "is ignored: it is neither" -e "dependency conflicts" -e "requires torch" || true
-"$VENV/bin/python" -c "import hpcserve.cli" || { say "install failed"; exit 1; }
+log="$VENV/pip-install.log"
+if ! { "$VENV/bin/pip" install --upgrade pip && "$VENV/bin/pip" install -e ".[$extras]"; } \
+    >"$log" 2>&1; then
+  say "pip install failed; the end of $log:"
+  tail -n 30 "$log"
+  exit 1
+fi
 if [ "$engine" = cpu ]; then
   # PyPI's torchvision cannot load beside the CPU torch, and transformers imports it if present.
-  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >>"$log" 2>&1 || true
 fi
+"$VENV/bin/python" -c "import hpcserve.cli, vllm.entrypoints.openai.api_server" \
+  || { say "the install cannot import hpcserve and vLLM; see $log"; exit 1; }
 echo "$want" > "$stamp"
 say "done"

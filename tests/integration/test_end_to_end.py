@@ -7,7 +7,6 @@ down` leaves no process behind.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,26 +29,13 @@ from hpcserve.config import (
 )
 from hpcserve.stack import Stack
 from tests.ports import free_port
+from tests.processes import processes_mentioning
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 API_KEY = "sk-e2e-test-key"
 MODEL = "tiny-chat"
 SLURM_PORT = 36817
-
-
-def processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{entry.name}: {cmdline.strip()}")
-    return found
 
 
 @pytest.fixture(scope="module")

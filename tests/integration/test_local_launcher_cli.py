@@ -1,0 +1,86 @@
+"""`hpcserve up --launcher local` (a machine without Slurm): the same engine job script runs
+as a local process; the CLI commands work as a user runs them; `down` leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpcserve.config import dump_config, hash_api_key, parse_config
+from tests.ports import free_port
+from tests.processes import processes_mentioning
+
+pytestmark = pytest.mark.vllm
+
+KEY = "sk-local-test"
+
+
+def hpcserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpcserve.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    config = parse_config(
+        {
+            "state_dir": str(state),
+            "router": {
+                "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+                "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+                "heartbeat_s": 1.0,
+                "metrics_port": free_port(),
+            },
+            "gateway": {
+                "port": free_port(),
+                "api_keys": [{"tenant": "t", "sha256": hash_api_key(KEY)}],
+            },
+            "slurm": {"drain_s": 15},
+            "poolmgr": {"launcher": "local", "poll_s": 1.0, "metrics_port": free_port()},
+            "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
+            "pools": [
+                {
+                    "name": "tiny-chat",
+                    "model_path": str(state / "models" / "tiny-chat"),
+                    "engine": "vllm-cpu",
+                    "engine_args": ["--dtype", "float32", "--max-model-len", "512"],
+                }
+            ],
+        }
+    )
+    (state / "hpcserve.toml").write_text(dump_config(config))
+    (state / "demo-api-key").write_text(KEY + "\n")
+    try:
+        up = hpcserve(
+            "up", "--state-dir", str(state), "--launcher", "local", "--timeout", "420", timeout=500
+        )
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "making the tiny demo model" in up.stdout
+        assert "replica registered" in up.stdout
+        assert "reply from tiny-chat" in up.stdout and "finish_reason=length" in up.stdout
+        assert f"curl -s http://127.0.0.1:{config.gateway.port}/v1/chat/completions" in up.stdout
+
+        status = hpcserve("status", "--json", "--config", str(state / "hpcserve.toml"))
+        replicas = json.loads(status.stdout)["replicas"]
+        assert [(r["model"], r["pool"], r["job_id"]) for r in replicas] == [
+            ("tiny-chat", "tiny-chat", 0)
+        ]  # a local process, not a Slurm job
+
+        again = hpcserve("up", "--state-dir", str(state), "--launcher", "local", timeout=120)
+        assert again.returncode == 0 and "router already running" in again.stdout
+    finally:
+        down = hpcserve("down", "--state-dir", str(state), timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert processes_mentioning(str(state)) == []
+    assert processes_mentioning("vllm.entrypoints.openai.api_server") == []
+    (log,) = (state / "jobs").glob("*.out")
+    assert "engine stopped (vLLM exit code 0)" in log.read_text()
