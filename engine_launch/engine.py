@@ -198,7 +198,7 @@ class EngineRunner:
         agent = RegistryAgent(self.options.router, self.registration())
         failure: EngineFailed | None = None
         try:
-            if not os.path.isdir(self.options.model_path):
+            if self.options.engine != "sim" and not os.path.isdir(self.options.model_path):
                 raise EngineFailed(
                     f"model path {self.options.model_path!r} is not a directory on node "
                     f"{self.topology.node} (weights are read from disk, never downloaded)"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class EngineSpec:
     model_path: str
     served_model_name: str
-    engine: str  # "vllm" or "vllm-cpu"
+    engine: str  # "vllm", "vllm-cpu", or "sim" (the simulated engine, for control-plane tests)
     python: str
     bind_host: str
     port: int
@@ -21,6 +21,15 @@ class EngineSpec:
 
 
 def vllm_argv(spec: EngineSpec) -> list[str]:
+    if spec.engine == "sim":
+        return [
+            spec.python, "-m", "hpcserve.engine_launch.sim_engine",
+            "--served-model-name", spec.served_model_name,
+            "--host", spec.bind_host,
+            "--port", str(spec.port),
+            "--shutdown-timeout", str(spec.drain_s),
+            *spec.extra_args,
+        ]  # fmt: skip
     # The module form: the CPU build's `vllm` console script fails (its dist is named vllm-cpu).
     argv = [
         spec.python,

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", required=True)
     p.add_argument("--router", required=True, help="router registry endpoint, tcp://host:port")
     p.add_argument("--pool", default="")
-    p.add_argument("--engine", choices=["vllm", "vllm-cpu"], default="vllm")
+    p.add_argument("--engine", choices=["vllm", "vllm-cpu", "sim"], default="vllm")
     p.add_argument("--python", default="", help="interpreter that has vLLM (default: this one)")
     p.add_argument("--bind-host", default="0.0.0.0")
     p.add_argument("--advertise-host", default="", help="host gateways use (default: hostname)")

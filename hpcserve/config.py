@@ -23,7 +23,7 @@ Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 # What clients put in "model": HF-style names such as org/model-8b are allowed.
 ModelName = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9][A-Za-z0-9._/:-]{0,127})?$")]
 
-EngineKind = Literal["vllm", "vllm-cpu"]
+EngineKind = Literal["vllm", "vllm-cpu", "sim"]
 Launcher = Literal["slurm", "local"]
 
 
@@ -170,7 +170,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
             raise ConfigError(f"pools[{i}].name: {pool.name!r} is used by an earlier pool")
         seen.add(pool.name)
         gpus = pool.tensor_parallel * pool.pipeline_parallel
-        if pool.engine == "vllm" and pool.gpus_per_replica < gpus:
+        if pool.engine != "vllm-cpu" and pool.gpus_per_replica < gpus:
             raise ConfigError(
                 f"pools[{i}].gpus_per_replica: {pool.gpus_per_replica} is fewer than "
                 f"tensor_parallel x pipeline_parallel = {gpus}"

@@ -72,6 +72,18 @@ class SlurmError(Exception):
             parts.append(f"stdout: {_quote(stdout)}")
         super().__init__("; ".join(parts))
 
+    @classmethod
+    def failed(
+        cls, message: str, argv: Sequence[str], res: subprocess.CompletedProcess[str]
+    ) -> SlurmError:
+        return cls(
+            message,
+            argv=argv,
+            returncode=res.returncode,
+            stdout=res.stdout or "",
+            stderr=res.stderr or "",
+        )
+
 
 @runtime_checkable
 class SlurmClient(Protocol):
@@ -147,13 +159,7 @@ class SlurmCLI:
                 argv=argv,
             ) from exc
         if check and res.returncode != 0:
-            raise SlurmError(
-                f"{argv[0]} failed",
-                argv=argv,
-                returncode=res.returncode,
-                stdout=res.stdout or "",
-                stderr=res.stderr or "",
-            )
+            raise SlurmError.failed(f"{argv[0]} failed", argv, res)
         return res
 
     # -- jobs
@@ -211,13 +217,7 @@ class SlurmCLI:
         if complaints and all(_GONE.search(line) for line in complaints):
             log.debug("scancel: jobs already gone: %s", complaints)
             return
-        raise SlurmError(
-            "scancel failed",
-            argv=argv,
-            returncode=res.returncode,
-            stdout=res.stdout or "",
-            stderr=res.stderr or "",
-        )
+        raise SlurmError.failed("scancel failed", argv, res)
 
     # -- nodes
     def nodes(self) -> list[SlurmNode]:
@@ -232,13 +232,7 @@ class SlurmCLI:
             self._nodes_argv = argv = ["sinfo", "--json"]
             res = self._run(argv, check=False)
         if res.returncode != 0:
-            raise SlurmError(
-                f"{argv[0]} failed",
-                argv=argv,
-                returncode=res.returncode,
-                stdout=res.stdout or "",
-                stderr=res.stderr or "",
-            )
+            raise SlurmError.failed(f"{argv[0]} failed", argv, res)
         self._nodes_argv = argv
         try:
             return parse_scontrol_show_node_json(res.stdout)

@@ -12,7 +12,7 @@ POOL = {"name": "chat", "model_path": "/models/llama"}
         ({"pools": [{**POOL, "replicas": "two"}]}, "pools[0].replicas: expected `int`, got `str`"),
         (
             {"pools": [{**POOL, "engine": "tgi"}]},
-            "pools[0].engine: invalid enum value 'tgi'; allowed: vllm, vllm-cpu",
+            "pools[0].engine: invalid enum value 'tgi'; allowed: vllm, vllm-cpu, sim",
         ),
         ({"pools": [{"name": "chat"}]}, "pools[0]: object missing required field `model_path`"),
         ({"pools": [{**POOL, "name": "bad name"}]}, "pools[0].name: expected `str` matching"),

@@ -1,0 +1,127 @@
+"""`hpcserve engine` supervising the simulated engine: registration, relay through the real
+gateway with the official openai client, and a drain that loses no request in flight."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
+from hpcserve.gateway.app import Gateway, build_app
+from hpcserve.router.client import list_models, list_replicas
+from hpcserve.router.server import RouterServer
+
+KEY = "sk-drain-test"
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def engine(router: RouterServer) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcserve.cli",
+            "engine",
+            "--engine",
+            "sim",
+            "--model-path",
+            "/nonexistent",
+            "--served-model-name",
+            "sim",
+            "--pool",
+            "simpool",
+            "--router",
+            router.config.registry_bind,
+            "--bind-host",
+            "127.0.0.1",
+            "--advertise-host",
+            "127.0.0.1",
+            "--heartbeat-s",
+            "0.25",
+            "--drain-s",
+            "10",
+            "--",
+            "--decode-ms-per-token",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: list_models(router.config.routing_bind) != [])
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.fixture
+def client(router: RouterServer) -> Iterator[openai.OpenAI]:
+    config = GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))])
+    gateway = Gateway(
+        config, routing_endpoint=router.config.routing_bind, configured_models={"sim"}
+    )
+    with TestClient(build_app(gateway)) as http:
+        yield openai.OpenAI(
+            base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
+        )
+
+
+def test_sim_replica_registers_and_serves_through_the_gateway(
+    engine: subprocess.Popen[str], client: openai.OpenAI, router: RouterServer
+) -> None:
+    (replica,) = list_replicas(router.config.routing_bind)
+    assert (replica.model, replica.pool) == ("sim", "simpool")
+    reply = client.chat.completions.create(
+        model="sim", max_tokens=3, messages=[{"role": "user", "content": "a b c"}]
+    )
+    assert reply.choices[0].message.content == " tok0 tok1 tok2"
+    assert reply.usage is not None and reply.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(model="sim", prompt="x", max_tokens=4, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == " tok0 tok1 tok2 tok3"
+
+
+def test_sigterm_leaves_routing_at_once_and_finishes_requests_in_flight(
+    engine: subprocess.Popen[str], client: openai.OpenAI, router: RouterServer
+) -> None:
+    results: list[str] = []
+
+    def long_request() -> None:
+        reply = client.completions.create(model="sim", prompt="x", max_tokens=150)
+        results.append(reply.choices[0].finish_reason)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    wait_for(lambda: list_replicas(router.config.routing_bind)[0].in_flight == 1)
+    engine.send_signal(signal.SIGTERM)
+    # Out of routing within a heartbeat, while the request (1.5 s of decoding) still runs.
+    wait_for(lambda: list_models(router.config.routing_bind) == [], timeout_s=1.0)
+    assert worker.is_alive()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="sim", prompt="x", max_tokens=1)
+    assert err.value.status_code == 503
+    worker.join(20)
+    assert results == ["length"], "the request in flight finished despite the drain"
+    assert engine.wait(20) == 0
+    assert engine.stdout is not None
+    log = engine.stdout.read()
+    assert "stop requested: SIGTERM" in log and "engine stopped (vLLM exit code 0)" in log
