@@ -11,6 +11,7 @@ the pool manager replaces it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -54,6 +55,16 @@ class EngineOptions:
 
 class EngineFailed(RuntimeError):
     pass
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if this supervisor dies, even by SIGKILL (Linux only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def free_port(host: str) -> int:
@@ -114,7 +125,9 @@ class EngineRunner:
     def start_vllm(self) -> None:
         argv = vllm_argv(self.spec)
         log.info("starting vLLM: %s", " ".join(argv))
-        self.process = subprocess.Popen(argv, env=vllm_env(self.spec, os.environ))
+        self.process = subprocess.Popen(
+            argv, env=vllm_env(self.spec, os.environ), preexec_fn=_die_with_parent
+        )
 
     def wait_ready(self) -> None:
         assert self.process is not None

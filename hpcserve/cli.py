@@ -60,8 +60,9 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from hpcserve.poolmgr.launchers import LocalLauncher, make_launcher
-    from hpcserve.poolmgr.manager import PoolManager, build_job_spec
+    from hpcserve.poolmgr.manager import PoolManager
     from hpcserve.poolmgr.render import render
+    from hpcserve.poolmgr.spec import build_job_spec
 
     cfg = _load(args)
     if args.check:
@@ -77,10 +78,13 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
         return 0
     registry = CollectorRegistry()
     launcher = make_launcher(cfg)
-    manager = PoolManager(cfg, launcher, metrics_registry=registry)
+    manager = PoolManager(
+        cfg, launcher, config_path=_config_path(args.config), metrics_registry=registry
+    )
     _start_metrics(cfg.poolmgr.metrics_port, registry)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: manager.stop())
+    signal.signal(signal.SIGHUP, lambda *_: manager.request_reload())
     try:
         manager.run_forever()
     finally:
@@ -137,6 +141,60 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
     else:
         print(format_status(status))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from hpcserve.poolmgr.state_files import write_override
+
+    cfg = _load(args)
+    pool = cfg.pool(args.pool)
+    if args.replicas is None and not args.reset:
+        print("hpcserve scale: give a replica count or --reset", file=sys.stderr)
+        return 2
+    if args.replicas is not None and args.replicas < 0:
+        print(f"hpcserve scale: replicas must be >= 0, got {args.replicas}", file=sys.stderr)
+        return 2
+    write_override(Path(cfg.state_dir), pool.name, None if args.reset else args.replicas)
+    target = pool.replicas if args.reset else args.replicas
+    print(
+        f"pool {pool.name}: desired replicas {target}"
+        + (" (back to the config's value)" if args.reset else "")
+        + "; the pool manager applies it at its next poll"
+    )
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    cfg = _load(args)  # a config that does not validate is refused here, before any signal
+    pid_file = Path(cfg.state_dir) / "run" / "poolmgr.pid"
+    try:
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, ValueError) as err:
+        print(
+            f"hpcserve reload: no running pool manager found via {pid_file}: {err}", file=sys.stderr
+        )
+        return 1
+    print(f"config valid; pool manager (pid {pid}) reloads it at its next poll")
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from hpcserve.poolmgr.launchers import make_launcher
+    from hpcserve.poolmgr.slurm import SlurmError
+
+    client = make_launcher(_load(args))
+    try:
+        if args.command == "drain-node":
+            client.drain_node(args.node, args.reason)
+            print(f"node {args.node} draining: {args.reason}")
+        else:
+            client.resume_node(args.node)
+            print(f"node {args.node} resumed")
+    except SlurmError as err:
+        print(f"hpcserve {args.command}: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -225,6 +283,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("status", help="pools, jobs and replicas"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+
+    p = with_config(sub.add_parser("scale", help="set a pool's desired replicas"))
+    p.add_argument("pool")
+    p.add_argument("replicas", type=int, nargs="?")
+    p.add_argument("--reset", action="store_true", help="back to the config's replicas")
+    p.set_defaults(func=cmd_scale)
+    with_config(
+        sub.add_parser("reload", help="validate the config, make the pool manager apply it")
+    ).set_defaults(func=cmd_reload)
+    p = with_config(sub.add_parser("drain-node", help="drain a node in Slurm with a reason"))
+    p.add_argument("node")
+    p.add_argument("--reason", required=True)
+    p.set_defaults(func=cmd_node)
+    p = with_config(sub.add_parser("resume-node", help="return a drained node to service"))
+    p.add_argument("node")
+    p.set_defaults(func=cmd_node)
 
     models = sub.add_parser("models", help="model tools")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="COMMAND")

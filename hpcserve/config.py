@@ -18,6 +18,7 @@ import msgspec
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 # What clients put in "model": HF-style names such as org/model-8b are allowed.
@@ -84,6 +85,13 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     job_name_prefix: Name = "hpcserve"
     launcher: Launcher = "slurm"
     metrics_port: Port = 9102
+    # A successor is submitted this long before a replica's time limit, so it serves before
+    # the old one must stop: engine start-up time plus slurm.drain_s, with margin.
+    handover_lead_s: NonNegFloat = 900.0
+    # Repeated failures of a pool space its submissions out exponentially, up to this.
+    max_backoff_s: PosFloat = 600.0
+    # A replica that has served this long resets its pool's failure count.
+    healthy_after_s: PosFloat = 120.0
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -179,6 +187,13 @@ def _check_semantics(cfg: PlatformConfig) -> None:
         raise ConfigError(
             f"router.lease_s: {cfg.router.lease_s} must be at least twice "
             f"router.heartbeat_s ({cfg.router.heartbeat_s}), or one late heartbeat drops a replica"
+        )
+    limit_s = cfg.slurm.time_limit_min * 60
+    if cfg.poolmgr.handover_lead_s + cfg.slurm.drain_s >= limit_s:
+        raise ConfigError(
+            f"poolmgr.handover_lead_s: {cfg.poolmgr.handover_lead_s:g} plus slurm.drain_s "
+            f"({cfg.slurm.drain_s}) must be less than slurm.time_limit_min ({limit_s} s), or "
+            "every replica is replaced as soon as it starts"
         )
     models = [p.model for p in cfg.pools]
     for model in models:

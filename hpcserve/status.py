@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from hpcserve.config import PlatformConfig
 from hpcserve.poolmgr.identity import parse_comment
+from hpcserve.poolmgr.state_files import read_status
 from hpcserve.router.client import RouterQueryError, list_replicas
 
 
@@ -57,16 +61,34 @@ def collect_status(config: PlatformConfig) -> dict[str, Any]:
         ]
     except RouterQueryError as err:
         status["errors"].append(f"router: {err}")
+    report = read_status(Path(config.state_dir))
+    reported = {p.pool: p for p in report.pools} if report else {}
+    if report is None:
+        status["errors"].append("pool manager: no status report yet (is it running?)")
     for pool in config.pools:
-        status["pools"].append(
-            {
-                "pool": pool.name,
-                "model": pool.model,
-                "desired": pool.replicas,
-                "jobs": sum(1 for j in status["jobs"] if j["pool"] == pool.name),
-                "serving": sum(1 for r in status["replicas"] if r["pool"] == pool.name),
+        row: dict[str, Any] = {
+            "pool": pool.name,
+            "model": pool.model,
+            "desired": pool.replicas,
+            "jobs": sum(1 for j in status["jobs"] if j["pool"] == pool.name),
+            "serving": sum(1 for r in status["replicas"] if r["pool"] == pool.name),
+        }
+        if pool.name in reported:
+            seen = msgspec.structs.asdict(reported[pool.name])
+            row |= {
+                k: seen[k]
+                for k in (
+                    "desired",
+                    "admin",
+                    "draining",
+                    "retiring",
+                    "failures",
+                    "last_failure",
+                    "next_submit_in_s",
+                    "pending",
+                )
             }
-        )
+        status["pools"].append(row)
     return status
 
 
@@ -81,7 +103,10 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
 
 
 def format_status(status: dict[str, Any]) -> str:
-    lines = _table(status["pools"], ["pool", "model", "desired", "jobs", "serving"])
+    lines = _table(
+        status["pools"],
+        ["pool", "model", "desired", "jobs", "serving", "admin", "failures", "last_failure"],
+    )
     if status["jobs"]:
         lines += ["", *_table(status["jobs"], ["job_id", "pool", "state", "node", "reason"])]
     if status["replicas"]:

@@ -1,17 +1,18 @@
-"""The pool manager's control loop: observe Slurm once per poll, reconcile, act.
+"""The pool manager's control loop: observe, reconcile, act, report.
 
-Observation is one `squeue` call for all of hpcserve's jobs, whatever their
-number. Acting is submissions rendered from slurm_templates/ and cancellations,
-each through the one SlurmClient. A failed status read is logged and retried on
-the next poll; a failed submission is logged with Slurm's own words and retried
-no sooner than `poolmgr.min_submit_interval_s`.
+Each poll observes with exactly one `squeue` for all of hpcserve's jobs whatever their
+number, one node listing (DRAIN/DOWN nodes) and one `ListReplicas` to the router (which jobs
+serve, and admins' own replicas). Acting is submissions rendered from slurm_templates/ and
+drains/cancellations, each through the one SlurmClient. A failed read is logged and the
+last good observation used (the router) or the poll skipped (Slurm); a failed submission is
+logged with Slurm's own words and retried after the backoff. SIGHUP (`hpcserve reload`)
+re-reads the config at the next poll: pools whose replica spec changed are replaced one by
+one, the others keep running. `hpcserve scale` writes overrides the next poll picks up.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,12 +20,27 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from hpcserve.config import PlatformConfig, PoolConfig
-from hpcserve.poolmgr.identity import JobIdentity, new_identity, parse_comment
-from hpcserve.poolmgr.reconcile import Cancel, Drain, ObservedJob, PoolMemory, Submit, reconcile
-from hpcserve.poolmgr.render import JobSpec, render
+from hpcserve.config import ConfigError, PlatformConfig, PoolConfig, load_config
+from hpcserve.poolmgr.failures import FailureTracker
+from hpcserve.poolmgr.identity import JobIdentity
+from hpcserve.poolmgr.observe import Observation, observe
+from hpcserve.poolmgr.reconcile import (
+    Cancel,
+    Drain,
+    Plan,
+    PoolMemory,
+    Submit,
+    Timing,
+    reconcile,
+    retire_reason,
+)
+from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
+from hpcserve.poolmgr.spec import build_job_spec, job_log_dir, pool_spec_digest
+from hpcserve.poolmgr.state_files import PoolMgrStatus, PoolStatus, read_overrides, write_status
+from hpcserve.router.client import RouterQueryError, list_replicas
+from hpcserve.router.protocol import ReplicaInfo
 
 log = logging.getLogger(__name__)
 
@@ -62,94 +78,90 @@ class PoolMgrMetrics:
         )
 
 
-def hpcserve_executable() -> str:
-    """The `hpcserve` console script next to this interpreter (the job runs the same install)."""
-    beside = Path(sys.executable).with_name("hpcserve")
-    if beside.exists():
-        return str(beside)
-    return shutil.which("hpcserve") or "hpcserve"
-
-
-def job_log_dir(config: PlatformConfig) -> Path:
-    return Path(config.slurm.log_dir or Path(config.state_dir) / "jobs")
-
-
-def build_job_spec(config: PlatformConfig, pool: PoolConfig) -> JobSpec:
-    """The values of one replica's job script; a fresh identity (nonce) each call."""
-    identity = new_identity(pool.name, pool.model)
-    return JobSpec(
-        job_name=f"{config.poolmgr.job_name_prefix}-{pool.name}",
-        comment=identity.comment(),
-        gpus=pool.gpus_per_replica,
-        time_limit_min=config.slurm.time_limit_min,
-        drain_s=config.slurm.drain_s,
-        hpcserve_bin=hpcserve_executable(),
-        model_path=pool.model_path,
-        model=pool.model,
-        router=config.router.engines_dial(),
-        pool=pool.name,
-        engine=pool.engine,
-        tensor_parallel=pool.tensor_parallel,
-        pipeline_parallel=pool.pipeline_parallel,
-        bind_host=config.engine.bind_host,
-        advertise_host=config.engine.advertise_host,
-        partition=config.slurm.partition,
-        account=config.slurm.account,
-        qos=config.slurm.qos,
-        output=str(job_log_dir(config) / "%x-%j.out"),
-        engine_args=tuple(pool.engine_args),
-        env=tuple(sorted(pool.env.items())),
-    )
-
-
 class PoolManager:
     def __init__(
         self,
         config: PlatformConfig,
         slurm: SlurmClient,
         *,
+        config_path: Path | None = None,
         metrics_registry: CollectorRegistry | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
+        router_endpoint: str | None = "",
     ) -> None:
+        """router_endpoint: "" means the config's; None runs without a router (tests)."""
         self.config = config
+        self.config_path = config_path
         self.slurm = slurm
         self.memory = PoolMemory()
+        self.failures = FailureTracker(config.poolmgr.healthy_after_s)
         self.metrics = PoolMgrMetrics(metrics_registry or CollectorRegistry())
         self._clock = clock
         self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._router_endpoint = router_endpoint
+        self._replicas: list[ReplicaInfo] = []
+        self._nodes: list[SlurmNode] = []
         self._seen_states: dict[int, JobState] = {}
-        self.log_dir = job_log_dir(config)
+        self.last_observation: Observation | None = None
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.config.state_dir)
 
     @property
     def prefix(self) -> str:
         return self.config.poolmgr.job_name_prefix
 
     def desired(self) -> dict[str, int]:
-        return {pool.name: pool.replicas for pool in self.config.pools}
+        overrides = read_overrides(self.state_dir)
+        return {pool.name: overrides.get(pool.name, pool.replicas) for pool in self.config.pools}
 
-    def observe(self) -> list[ObservedJob]:
+    def timing(self) -> Timing:
+        cfg = self.config
+        return Timing(
+            min_submit_interval_s=cfg.poolmgr.min_submit_interval_s,
+            drain_deadline_s=cfg.slurm.drain_s + 60,
+            handover_lead_s=cfg.poolmgr.handover_lead_s,
+            max_backoff_s=cfg.poolmgr.max_backoff_s,
+        )
+
+    # -- observing ---------------------------------------------------------------------------
+
+    def _read_replicas(self) -> list[ReplicaInfo]:
+        endpoint = self._router_endpoint
+        if endpoint is None:
+            return []
+        try:
+            self._replicas = list_replicas(endpoint or self.config.router.gateways_dial())
+        except RouterQueryError as err:
+            log.warning("router unavailable, using the last known replicas: %s", err)
+        return self._replicas
+
+    def _read_nodes(self) -> list[SlurmNode]:
+        try:
+            self._nodes = self.slurm.nodes()
+        except SlurmError as err:
+            self.metrics.errors.labels("nodes").inc()
+            log.warning("cannot read node states, using the last known: %s", err)
+        return self._nodes
+
+    def observe(self) -> Observation:
         snapshot = self.slurm.jobs(name_prefix=self.prefix + "-")
-        ours = [
-            (job, identity)
-            for job in snapshot.jobs
-            if (identity := parse_comment(job.comment)) is not None
-        ]
-        self._log_state_changes(ours)
-        observed = [
-            ObservedJob(
-                job.job_id,
-                identity.pool,
-                pending=job.state is JobState.PENDING,
-                submit_time=job.submit_time,
-            )
-            for job, identity in ours
-            if job.state.is_active
-        ]
-        still_there = {j.job_id for j in observed}
+        digests = {pool.name: pool_spec_digest(self.config, pool) for pool in self.config.pools}
+        observation = observe(snapshot.jobs, self._read_replicas(), self._read_nodes(), digests)
+        self._log_state_changes(observation.ours)
+        for line in self.failures.update(
+            observation.ours, observation.serving_job_ids, self._clock()
+        ):
+            log.warning(line)
+        self.memory.failures = self.failures.failures
+        active = {j.job_id for j in observation.jobs}
         for job_id in list(self.memory.draining_since):
-            if job_id not in still_there:
+            if job_id not in active:
                 del self.memory.draining_since[job_id]
-        return observed
+        self.last_observation = observation
+        return observation
 
     def _log_state_changes(self, ours: list[tuple[SlurmJob, JobIdentity]]) -> None:
         counts: dict[tuple[str, str], int] = {}
@@ -174,27 +186,29 @@ class PoolManager:
         for (pool, state), n in counts.items():
             self.metrics.jobs.labels(pool, state).set(n)
 
-    def poll_once(self) -> None:
+    def poll_once(self) -> Plan | None:
         started = time.perf_counter()
+        if self._reload.is_set():
+            self._reload.clear()
+            self.reload()
         try:
-            observed = self.observe()
+            observation = self.observe()
         except SlurmError as err:
             self.metrics.errors.labels("squeue").inc()
             log.warning("cannot read job states, retrying next poll: %s", err)
-            return
+            return None
         now = self._clock()
-        for name, want in self.desired().items():
+        desired = self.desired()
+        for name, want in desired.items():
             self.metrics.desired.labels(name).set(want)
         plan = reconcile(
-            self.desired(),
-            observed,
+            desired,
+            observation.jobs,
             self.memory,
             now=now,
-            min_submit_interval_s=self.config.poolmgr.min_submit_interval_s,
-            drain_deadline_s=self.config.slurm.drain_s + 60,
+            timing=self.timing(),
+            admin_serving=observation.admin_serving,
         )
-        for pool in plan.unmanaged_pools:
-            log.debug("jobs of unconfigured pool %s left alone", pool)
         for action in plan.actions:
             self.metrics.actions.labels(type(action).__name__.lower(), action.pool).inc()
             match action:
@@ -204,11 +218,45 @@ class PoolManager:
                     self._drain(action, now)
                 case Cancel():
                     self._cancel(action)
+        self._write_status(desired, observation, plan, now)
         self.metrics.poll_seconds.set(time.perf_counter() - started)
+        return plan
+
+    def _write_status(
+        self, desired: dict[str, int], observation: Observation, plan: Plan, now: float
+    ) -> None:
+        lead = self.config.poolmgr.handover_lead_s
+        pools = []
+        for pool in self.config.pools:
+            jobs = [j for j in observation.jobs if j.pool == pool.name]
+            draining = [j for j in jobs if j.job_id in self.memory.draining_since]
+            retiring = [j for j in jobs if j not in draining and retire_reason(j, now, lead)]
+            live = [j for j in jobs if j not in draining and j not in retiring]
+            pending = [
+                f"job {job.job_id}: {job.state_reason}"
+                for job, ident in observation.ours
+                if ident.pool == pool.name and job.state is JobState.PENDING
+            ]
+            next_at = plan.next_submit_at.get(pool.name)
+            pools.append(PoolStatus(
+                pool=pool.name, model=pool.model, desired=desired[pool.name], live=len(live),
+                serving=sum(1 for j in live if j.serving), admin=observation.admin_serving.get(
+                    pool.name, 0), draining=len(draining), retiring=len(retiring),
+                pending=pending, failures=self.failures.failures.get(pool.name, 0),
+                last_failure=self.failures.last_failure.get(pool.name, ""),
+                next_submit_in_s=round(max(next_at - now, 0), 1) if next_at else None,
+            ))  # fmt: skip
+        status = PoolMgrStatus(updated_at=now, pools=pools, unmanaged_pools=plan.unmanaged_pools)
+        try:
+            write_status(self.state_dir, status)
+        except OSError as err:
+            log.warning("cannot write the status file in %s: %s", self.state_dir, err)
+
+    # -- acting ------------------------------------------------------------------------------
 
     def _submit(self, pool: PoolConfig, count: int, now: float) -> None:
         self.memory.last_submit[pool.name] = now
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        job_log_dir(self.config).mkdir(parents=True, exist_ok=True)
         for _ in range(count):
             script = render(build_job_spec(self.config, pool))
             try:
@@ -229,7 +277,7 @@ class PoolManager:
             log.error("pool %s: cannot signal job %d to drain: %s", action.pool, action.job_id, err)
             return
         self.memory.draining_since[action.job_id] = now
-        log.info("pool %s: draining job %d (scale down)", action.pool, action.job_id)
+        log.info("pool %s: draining job %d (%s)", action.pool, action.job_id, action.reason)
 
     def _cancel(self, action: Cancel) -> None:
         try:
@@ -239,6 +287,29 @@ class PoolManager:
             log.error("pool %s: cannot cancel job %d: %s", action.pool, action.job_id, err)
             return
         log.info("pool %s: cancelled job %d (%s)", action.pool, action.job_id, action.reason)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def request_reload(self) -> None:
+        self._reload.set()
+
+    def reload(self) -> bool:
+        """Re-read the config file; on an error keep running with the old one."""
+        if self.config_path is None:
+            return False
+        try:
+            config = load_config(self.config_path)
+        except ConfigError as err:
+            log.error("reload refused, keeping the running config: %s", err)
+            return False
+        changed = [p.name for p in config.pools if p not in self.config.pools]
+        self.config = config
+        log.info(
+            "config reloaded from %s; pools changed: %s",
+            self.config_path,
+            ", ".join(changed) or "none",
+        )
+        return True
 
     def stop(self) -> None:
         self._stop.set()

@@ -41,6 +41,7 @@ class JobSpec:
     pipeline_parallel: int = 1
     bind_host: str = "0.0.0.0"
     advertise_host: str = ""
+    heartbeat_s: float = 2.0
     partition: str = ""
     account: str = ""
     qos: str = ""
@@ -100,6 +101,7 @@ def settings_lines(spec: JobSpec) -> list[str]:
         "HPCSERVE_TP": str(spec.tensor_parallel),
         "HPCSERVE_PP": str(spec.pipeline_parallel),
         "HPCSERVE_DRAIN_S": str(spec.drain_s),
+        "HPCSERVE_HEARTBEAT_S": f"{spec.heartbeat_s:g}",
         "HPCSERVE_BIND_HOST": spec.bind_host,
         "HPCSERVE_ADVERTISE_HOST": spec.advertise_host,
     }

@@ -18,6 +18,7 @@ from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router.client import list_models, list_replicas
 from hpcserve.router.server import RouterServer
+from tests.processes import processes_mentioning
 
 KEY = "sk-drain-test"
 
@@ -68,7 +69,7 @@ def engine(router: RouterServer) -> Iterator[subprocess.Popen[str]]:
         yield proc
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.kill()  # the simulated engine gets SIGTERM through PR_SET_PDEATHSIG
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
@@ -98,6 +99,16 @@ def test_sim_replica_registers_and_serves_through_the_gateway(
     assert reply.usage is not None and reply.usage.prompt_tokens == 3
     chunks = list(client.completions.create(model="sim", prompt="x", max_tokens=4, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == " tok0 tok1 tok2 tok3"
+
+
+def test_engine_killed_hard_takes_its_engine_process_with_it(
+    engine: subprocess.Popen[str], router: RouterServer
+) -> None:
+    url = list_replicas(router.config.routing_bind)[0].url
+    engine.kill()
+    engine.wait(10)
+    port = url.rsplit(":", 1)[1]
+    wait_for(lambda: processes_mentioning(f"--port {port}") == [], timeout_s=15)
 
 
 def test_sigterm_leaves_routing_at_once_and_finishes_requests_in_flight(

@@ -1,0 +1,69 @@
+"""What a replica of a pool is: its job script values and a digest of them (pure)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import msgspec
+
+from hpcserve.config import PlatformConfig, PoolConfig
+from hpcserve.poolmgr.identity import new_identity
+from hpcserve.poolmgr.render import JobSpec
+
+
+def hpcserve_executable() -> str:
+    """The `hpcserve` console script next to this interpreter (the job runs the same install)."""
+    beside = Path(sys.executable).with_name("hpcserve")
+    if beside.exists():
+        return str(beside)
+    return shutil.which("hpcserve") or "hpcserve"
+
+
+def job_log_dir(config: PlatformConfig) -> Path:
+    return Path(config.slurm.log_dir or Path(config.state_dir) / "jobs")
+
+
+def pool_spec_digest(config: PlatformConfig, pool: PoolConfig) -> str:
+    """8 hex digits that change when anything shaping a replica of the pool changes.
+
+    The replica count is left out: scaling a pool must not replace its replicas.
+    """
+    shape = (
+        msgspec.structs.replace(pool, replicas=0),
+        config.slurm.partition, config.slurm.account, config.slurm.qos,
+        config.slurm.time_limit_min, config.slurm.drain_s, config.slurm.extra_args,
+        config.engine, config.router.engines_dial(),
+    )  # fmt: skip
+    return hashlib.sha256(msgspec.json.encode(shape)).hexdigest()[:8]
+
+
+def build_job_spec(config: PlatformConfig, pool: PoolConfig) -> JobSpec:
+    """The values of one replica's job script; a fresh identity (nonce) each call."""
+    identity = new_identity(pool.name, pool.model, spec=pool_spec_digest(config, pool))
+    return JobSpec(
+        job_name=f"{config.poolmgr.job_name_prefix}-{pool.name}",
+        comment=identity.comment(),
+        gpus=pool.gpus_per_replica,
+        time_limit_min=config.slurm.time_limit_min,
+        drain_s=config.slurm.drain_s,
+        hpcserve_bin=hpcserve_executable(),
+        model_path=pool.model_path,
+        model=pool.model,
+        router=config.router.engines_dial(),
+        pool=pool.name,
+        engine=pool.engine,
+        tensor_parallel=pool.tensor_parallel,
+        pipeline_parallel=pool.pipeline_parallel,
+        bind_host=config.engine.bind_host,
+        advertise_host=config.engine.advertise_host,
+        heartbeat_s=config.router.heartbeat_s,
+        partition=config.slurm.partition,
+        account=config.slurm.account,
+        qos=config.slurm.qos,
+        output=str(job_log_dir(config) / "%x-%j.out"),
+        engine_args=tuple(pool.engine_args),
+        env=tuple(sorted(pool.env.items())),
+    )
