@@ -356,3 +356,46 @@ def test_local_launcher_runs_the_same_script_without_slurm(tmp_path: Path) -> No
     assert [j.job_id for j in launcher.jobs().jobs] == [job.job_id + 1]
     launcher.shutdown(timeout_s=10)
     assert all(j.state is not JobState.RUNNING for j in launcher.jobs().jobs)
+
+
+def test_reload_replaces_changed_pools_and_keeps_the_others(
+    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path
+) -> None:
+    from hpcserve.config import dump_config
+
+    sim = {"model_path": "/nonexistent", "engine": "sim", "replicas": 1}
+    config = make_config(cluster, router, tmp_path, "pm7", {})
+    two_pools = msgspec.structs.replace(config, pools=[
+        msgspec.convert({"name": "keep", **sim}, type(config.pools[0])),
+        msgspec.convert({"name": "change", **sim}, type(config.pools[0])),
+    ])  # fmt: skip
+    path = tmp_path / "hpcserve.toml"
+    path.write_text(dump_config(two_pools))
+    manager = PoolManager(two_pools, slurm, config_path=path)
+    poll_until(manager, "both pools serving", lambda: len(serving_jobs(router)) == 2)
+    before = {parse_comment(j.comment).pool: j.job_id for j in active(slurm, "pm7")}
+
+    # A broken config is refused and changes nothing.
+    path.write_text(dump_config(two_pools).replace('engine = "sim"', 'engine = "tgi"', 1))
+    manager.request_reload()
+    manager.poll_once()
+    assert manager.config == two_pools
+
+    changed = msgspec.structs.replace(two_pools, pools=[
+        two_pools.pools[0],
+        msgspec.structs.replace(two_pools.pools[1], engine_args=["--decode-ms-per-token", "1"]),
+    ])  # fmt: skip
+    path.write_text(dump_config(changed))
+    manager.request_reload()
+    poll_until(
+        manager,
+        "the changed pool's replica replaced",
+        lambda: (
+            (now := {parse_comment(j.comment).pool: j.job_id for j in active(slurm, "pm7")})
+            and now.get("change") not in (None, before["change"])
+            and now["change"] in serving_jobs(router)
+            and len(now) == 2
+        ),
+    )
+    after = {parse_comment(j.comment).pool: j.job_id for j in active(slurm, "pm7")}
+    assert after["keep"] == before["keep"], "an unchanged pool keeps its replica"
