@@ -36,11 +36,27 @@ def collect_jobs(config: PlatformConfig) -> list[dict[str, Any]]:
     return jobs
 
 
+def collect_nodes(config: PlatformConfig) -> list[dict[str, Any]]:
+    from hpcserve.poolmgr.launchers import make_launcher
+
+    return [
+        {
+            "node": node.name,
+            "state": "+".join(node.state),
+            "gpus": node.gres,
+            "gpus_used": node.gres_used,
+            "reason": node.reason,
+        }
+        for node in make_launcher(config).nodes()
+    ]
+
+
 def collect_status(config: PlatformConfig) -> dict[str, Any]:
-    status: dict[str, Any] = {"pools": [], "jobs": [], "replicas": [], "errors": []}
+    status: dict[str, Any] = {"pools": [], "jobs": [], "replicas": [], "nodes": [], "errors": []}
     try:
         status["jobs"] = collect_jobs(config)
-    except Exception as err:
+        status["nodes"] = collect_nodes(config)
+    except Exception as err:  # report it; a status command must not crash on a Slurm hiccup
         status["errors"].append(f"slurm: {err}")
     try:
         replicas = list_replicas(config.router.gateways_dial())
@@ -127,5 +143,7 @@ def format_status(status: dict[str, Any]) -> str:
                 ],
             ),
         ]
+    if status["nodes"]:
+        lines += ["", *_table(status["nodes"], ["node", "state", "gpus", "gpus_used", "reason"])]
     lines += [f"error: {e}" for e in status["errors"]]
     return "\n".join(lines)

@@ -204,6 +204,8 @@ def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig
     (replica,) = status["replicas"]
     assert job["state"] == "RUNNING" and job["node"] in ("n1", "n2")
     assert replica["job_id"] == job["job_id"] and replica["node"] == job["node"]
+    assert {n["node"] for n in status["nodes"]} == {"n1", "n2"}
+    assert all(n["gpus"] == "gpu:4" for n in status["nodes"])
 
 
 def test_down_drains_and_leaves_no_process_behind(stack: tuple[Stack, PlatformConfig]) -> None:
