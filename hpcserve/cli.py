@@ -300,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("node")
     p.set_defaults(func=cmd_node)
 
+    from hpcserve.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
+
     models = sub.add_parser("models", help="model tools")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="COMMAND")
     p = msub.add_parser("make-tiny", help="write a tiny random-weight HF model directory")

@@ -152,7 +152,7 @@ def _value_at(data: object, path: str) -> object:
     return data
 
 
-def _humanize(err: msgspec.ValidationError, data: object) -> str:
+def humanize_validation_error(err: msgspec.ValidationError, data: object) -> str:
     """'Expected `int` >= 0 - at `$.pools[0].replicas`' -> 'pools[0].replicas: expected ...'."""
     head, sep, where = str(err).rpartition(" - at ")
     if not sep:
@@ -205,7 +205,7 @@ def parse_config(data: dict[str, object], *, source: str = "config") -> Platform
     try:
         cfg = msgspec.convert(data, PlatformConfig)
     except msgspec.ValidationError as err:
-        raise ConfigError(f"{source}: {_humanize(err, data)}") from None
+        raise ConfigError(f"{source}: {humanize_validation_error(err, data)}") from None
     try:
         _check_semantics(cfg)
     except ConfigError as err:
