@@ -312,6 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("dir")
     p.set_defaults(func=cmd_make_tiny)
+
+    from hpcserve.modelcache.cli import add_cache_parser, add_models_registry_parsers
+
+    add_models_registry_parsers(msub)
+    add_cache_parser(sub)
     return parser
 
 

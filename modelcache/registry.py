@@ -1,0 +1,496 @@
+"""The model registry: models, versions, LoRA adapters, aliases with canaries, and which
+running replica uses which version. SQLite on the control node.
+
+A version is one concrete set of weights: a source directory, its digest manifest, a
+quantisation (bf16, fp16, fp8, awq or gptq, the last two int4) and the engine arguments it
+needs. A quantised variant of the same model is added as its own version, so every
+`name@version` names exactly one manifest. Model, alias and adapter names share one
+namespace, since a client may ask for any of them as its `model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from hpcserve.modelcache.manifest import Manifest, decode_manifest
+from hpcserve.modelcache.refs import Ref, check_name, parse_ref
+
+QUANTIZATIONS = ("bf16", "fp16", "fp8", "awq", "gptq")
+SCHEMA_VERSION = 1
+SCHEMA = """
+CREATE TABLE models (
+    name TEXT PRIMARY KEY,
+    created REAL NOT NULL
+);
+CREATE TABLE versions (
+    model TEXT NOT NULL REFERENCES models(name),
+    version INTEGER NOT NULL CHECK (version >= 1),
+    quantization TEXT NOT NULL,
+    source TEXT NOT NULL,
+    engine_args TEXT NOT NULL,
+    manifest TEXT NOT NULL,
+    manifest_digest TEXT NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (model, version)
+);
+CREATE TABLE adapters (
+    name TEXT PRIMARY KEY,
+    base_model TEXT NOT NULL REFERENCES models(name),
+    rank INTEGER NOT NULL CHECK (rank >= 1),
+    path TEXT NOT NULL,
+    manifest TEXT NOT NULL,
+    manifest_digest TEXT NOT NULL,
+    total_bytes INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE aliases (
+    name TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    canary_model TEXT,
+    canary_version INTEGER,
+    canary_percent INTEGER NOT NULL DEFAULT 0 CHECK (canary_percent BETWEEN 0 AND 99),
+    updated REAL NOT NULL,
+    FOREIGN KEY (model, version) REFERENCES versions(model, version),
+    FOREIGN KEY (canary_model, canary_version) REFERENCES versions(model, version),
+    CHECK ((canary_model IS NULL) = (canary_percent = 0))
+);
+CREATE TABLE replica_usage (
+    replica_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    since REAL NOT NULL,
+    PRIMARY KEY (replica_id, model, version),
+    FOREIGN KEY (model, version) REFERENCES versions(model, version)
+);
+"""
+
+
+class RegistryError(ValueError):
+    """A registry request that cannot be done; the message names the bad value."""
+
+
+class NotFoundError(RegistryError):
+    pass
+
+
+class InUseError(RegistryError):
+    pass
+
+
+class ModelVersion(msgspec.Struct, frozen=True):
+    model: str
+    version: int
+    quantization: str
+    source: str
+    engine_args: tuple[str, ...]
+    manifest_digest: str
+    total_bytes: int
+    created: float
+
+    @property
+    def ref(self) -> str:
+        return f"{self.model}@{self.version}"
+
+
+class Adapter(msgspec.Struct, frozen=True):
+    name: str
+    base_model: str
+    rank: int
+    path: str
+    manifest_digest: str
+    total_bytes: int
+    created: float
+
+
+class Alias(msgspec.Struct, frozen=True):
+    """`name` routes to `target`, except `canary_percent`% of requests that go to `canary`."""
+
+    name: str
+    target: str
+    canary: str | None
+    canary_percent: int
+    updated: float
+
+    def pick(self, u: float) -> str:
+        """The ref for a request drawn with `u` uniform in [0, 1)."""
+        if self.canary is not None and u * 100 < self.canary_percent:
+            return self.canary
+        return self.target
+
+
+class Model(msgspec.Struct, frozen=True):
+    name: str
+    versions: tuple[ModelVersion, ...]
+    aliases: tuple[Alias, ...]
+    adapters: tuple[Adapter, ...]
+    in_use: dict[str, list[str]]  # ref -> replica ids
+
+
+class Registry:
+    """The registry in one SQLite file.
+
+    Every change runs in one `BEGIN IMMEDIATE` transaction: its checks (names free, refs
+    present, not in use) and its writes see the same state, a concurrent writer waits up to
+    `busy_timeout_s`, and a failed check changes nothing. The rollback journal is used, not
+    WAL, so the file may live on an NFS home directory.
+    """
+
+    def __init__(
+        self, path: Path, *, busy_timeout_s: float = 10.0, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._init_schema()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writes
+
+    def add_version(
+        self,
+        name: str,
+        source: str,
+        manifest: Manifest,
+        *,
+        quantization: str = "bf16",
+        engine_args: Sequence[str] = (),
+        version: int | None = None,
+    ) -> ModelVersion:
+        """Register `source` (described by `manifest`) as the next version of `name`."""
+        check_name(name, "model name")
+        _check_choice(quantization, QUANTIZATIONS, "quantization")
+        args = _check_engine_args(engine_args)
+        with self._write():
+            self.check_free(name, kind="model")
+            if version is not None and (version < 1 or self._has_version(name, version)):
+                raise RegistryError(f"version {version} of {name!r} exists or is not >= 1")
+            version = version or self._next_version(name)
+            now = self.clock()
+            self._db.execute("INSERT OR IGNORE INTO models VALUES (?, ?)", (name, now))
+            self._db.execute(
+                "INSERT INTO versions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, version, quantization, source, json.dumps(args),
+                 manifest.encode().decode(), manifest.digest(), manifest.total_bytes, now),
+            )  # fmt: skip
+        return self.version(f"{name}@{version}")
+
+    def add_adapter(
+        self, name: str, base_model: str, path: str, manifest: Manifest, *, rank: int
+    ) -> Adapter:
+        check_name(name, "adapter name")
+        if not isinstance(rank, int) or rank < 1:
+            raise RegistryError(f"LoRA rank must be a positive integer, got {rank!r}")
+        with self._write():
+            self.check_free(name, kind="adapter")
+            self._require_model(base_model)
+            self._db.execute(
+                "INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, base_model, rank, path, manifest.encode().decode(), manifest.digest(),
+                 manifest.total_bytes, self.clock()),
+            )  # fmt: skip
+        return self.adapter(name)
+
+    def set_alias(self, name: str, ref: str) -> Alias:
+        """Point alias `name` (new or existing) at `ref`; any canary is dropped."""
+        check_name(name, "alias name")
+        with self._write():
+            self.check_free(name, kind="alias")
+            target = self._require_version(ref)
+            self._db.execute(
+                "INSERT OR REPLACE INTO aliases VALUES (?, ?, ?, NULL, NULL, 0, ?)",
+                (name, target.name, target.version, self.clock()),
+            )
+        return self.alias(name)
+
+    def promote(self, alias: str, ref: str, share: int = 100) -> Alias:
+        """Route `share`% of `alias` to `ref`: 100 makes it the target (no canary), 1-99
+        makes it the canary, 0 drops it as the canary."""
+        if isinstance(share, bool) or not isinstance(share, int) or not 0 <= share <= 100:
+            raise RegistryError(f"canary share must be an integer from 0 to 100, got {share!r}")
+        with self._write():
+            current = self.alias(alias)
+            new = self._require_version(ref)
+            if share == 100:
+                row = (new.name, new.version, None, None, 0)
+            elif share == 0:
+                if current.canary != str(new):
+                    raise RegistryError(f"{new} is not the canary of alias {alias!r}")
+                row = (*parse_ref(current.target), None, None, 0)
+            elif str(new) == current.target:
+                raise RegistryError(f"{new} is already the target of alias {alias!r}")
+            else:
+                row = (*parse_ref(current.target), new.name, new.version, share)
+            self._db.execute(
+                "UPDATE aliases SET model = ?, version = ?, canary_model = ?, "
+                "canary_version = ?, canary_percent = ?, updated = ? WHERE name = ?",
+                (*row, self.clock(), alias),
+            )
+        return self.alias(alias)
+
+    def remove(self, text: str) -> str:
+        """Remove a version (`name@3`), a whole model, an alias or an adapter; returns what
+        was removed. Refused while a replica uses it or an alias or adapter points at it."""
+        ref = parse_ref(text)
+        with self._write():
+            if ref.version is not None:
+                return self._remove_versions(ref.name, [ref.version])
+            if self._exists("aliases", ref.name):
+                self._db.execute("DELETE FROM aliases WHERE name = ?", (ref.name,))
+                return f"alias {ref.name}"
+            if self._exists("adapters", ref.name):
+                self._db.execute("DELETE FROM adapters WHERE name = ?", (ref.name,))
+                return f"adapter {ref.name}"
+            self._require_model(ref.name)
+            return self._remove_versions(ref.name, self._version_numbers(ref.name))
+
+    def mark_in_use(self, ref: str, replica_id: str) -> None:
+        """Record that replica `replica_id` serves `ref` (an alias resolves to its target)."""
+        if not replica_id:
+            raise RegistryError("replica id must not be empty")
+        with self._write():
+            v = self._require_version(ref)
+            self._db.execute(
+                "INSERT OR REPLACE INTO replica_usage VALUES (?, ?, ?, ?)",
+                (replica_id, v.name, v.version, self.clock()),
+            )
+
+    def release(self, replica_id: str, ref: str | None = None) -> int:
+        """Forget what `replica_id` uses (only `ref`, if given); returns rows removed."""
+        with self._write():
+            if ref is None:
+                cur = self._db.execute(
+                    "DELETE FROM replica_usage WHERE replica_id = ?", (replica_id,)
+                )
+            else:
+                r = parse_ref(ref)
+                cur = self._db.execute(
+                    "DELETE FROM replica_usage WHERE replica_id = ? AND model = ? AND version = ?",
+                    (replica_id, r.name, r.version),
+                )
+        return cur.rowcount
+
+    # -- reads
+
+    def version(self, text: str) -> ModelVersion:
+        """`name@3`, `name` (its latest version) or an alias (its target)."""
+        v = self._require_version(text)
+        row = self._db.execute(
+            "SELECT * FROM versions WHERE model = ? AND version = ?", (v.name, v.version)
+        ).fetchone()
+        return _version_from_row(row)
+
+    def manifest(self, text: str) -> Manifest:
+        v = self._require_version(text)
+        (data,) = self._db.execute(
+            "SELECT manifest FROM versions WHERE model = ? AND version = ?", (v.name, v.version)
+        ).fetchone()
+        return decode_manifest(data)
+
+    def versions(self, model: str | None = None) -> list[ModelVersion]:
+        sql, args = "SELECT * FROM versions", ()
+        if model is not None:
+            sql, args = sql + " WHERE model = ?", (model,)
+        rows = self._db.execute(sql + " ORDER BY model, version", args).fetchall()
+        return [_version_from_row(r) for r in rows]
+
+    def aliases(self) -> list[Alias]:
+        rows = self._db.execute("SELECT * FROM aliases ORDER BY name").fetchall()
+        return [_alias_from_row(r) for r in rows]
+
+    def alias(self, name: str) -> Alias:
+        row = self._db.execute("SELECT * FROM aliases WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no alias named {name!r}")
+        return _alias_from_row(row)
+
+    def adapters(self) -> list[Adapter]:
+        rows = self._db.execute("SELECT * FROM adapters ORDER BY name").fetchall()
+        return [_adapter_from_row(r) for r in rows]
+
+    def adapter(self, name: str) -> Adapter:
+        row = self._db.execute("SELECT * FROM adapters WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFoundError(f"no adapter named {name!r}")
+        return _adapter_from_row(row)
+
+    def adapter_manifest(self, name: str) -> Manifest:
+        self.adapter(name)
+        row = self._db.execute("SELECT manifest FROM adapters WHERE name = ?", (name,))
+        return decode_manifest(row.fetchone()[0])
+
+    def model(self, name: str) -> Model:
+        self._require_model(name)
+        versions = self.versions(name)
+        refs = {v.ref for v in versions}
+        return Model(
+            name=name,
+            versions=tuple(versions),
+            aliases=tuple(a for a in self.aliases() if {a.target, a.canary} & refs),
+            adapters=tuple(a for a in self.adapters() if a.base_model == name),
+            in_use={ref: users for ref in sorted(refs) if (users := self.users(ref))},
+        )
+
+    def users(self, ref: str) -> list[str]:
+        r = parse_ref(ref)
+        rows = self._db.execute(
+            "SELECT replica_id FROM replica_usage WHERE model = ? AND version = ? "
+            "ORDER BY replica_id",
+            (r.name, r.version),
+        ).fetchall()
+        return [row[0] for row in rows]
+
+    def kind(self, name: str) -> str | None:
+        """'model', 'alias', 'adapter' or None: what `name` is in the shared namespace."""
+        for table, kind in (("models", "model"), ("aliases", "alias"), ("adapters", "adapter")):
+            if self._exists(table, name):
+                return kind
+        return None
+
+    # -- helpers
+
+    def _init_schema(self) -> None:
+        with self._write():
+            (found,) = self._db.execute("PRAGMA user_version").fetchone()
+            if found > SCHEMA_VERSION:
+                raise RegistryError(
+                    f"{self.path} has registry schema {found}; this hpcserve knows "
+                    f"{SCHEMA_VERSION} (upgrade hpcserve)"
+                )
+            if found == 0:
+                for statement in SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    @contextlib.contextmanager
+    def _write(self) -> Iterator[None]:
+        if self._db.in_transaction:  # nested: the outer transaction decides
+            yield
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _exists(self, table: str, name: str) -> bool:
+        sql = f"SELECT 1 FROM {table} WHERE name = ?"  # table names are ours, never input
+        return self._db.execute(sql, (name,)).fetchone() is not None
+
+    def check_free(self, name: str, kind: str) -> None:
+        """Raise unless `name` may be used for a new `kind` ('model', 'alias', 'adapter')."""
+        found = self.kind(name)
+        if found is not None and found != kind:
+            article = "an" if found[0] in "aeiou" else "a"
+            raise RegistryError(f"{name!r} is already the name of {article} {found}")
+        if kind == "adapter" and found == "adapter":
+            raise RegistryError(f"adapter {name!r} exists; remove it first")
+
+    def _require_model(self, name: str) -> None:
+        if not self._exists("models", name):
+            what = self.kind(name)
+            hint = f" ({name!r} is an {what})" if what else ""
+            raise NotFoundError(f"no model named {name!r}{hint}")
+
+    def _require_version(self, text: str) -> Ref:
+        ref = parse_ref(text)
+        if ref.version is None and self._exists("aliases", ref.name):
+            return parse_ref(self.alias(ref.name).target)
+        self._require_model(ref.name)
+        known = self._version_numbers(ref.name)
+        if ref.version is None and known:
+            return Ref(ref.name, known[-1])
+        if ref.version not in known:
+            listed = ", ".join(map(str, known)) or "none"
+            raise NotFoundError(f"{ref} does not exist; versions of {ref.name}: {listed}")
+        return ref
+
+    def _has_version(self, name: str, version: int) -> bool:
+        sql = "SELECT 1 FROM versions WHERE model = ? AND version = ?"
+        return self._db.execute(sql, (name, version)).fetchone() is not None
+
+    def _version_numbers(self, name: str) -> list[int]:
+        rows = self._db.execute(
+            "SELECT version FROM versions WHERE model = ? ORDER BY version", (name,)
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def _next_version(self, name: str) -> int:
+        sql = "SELECT COALESCE(MAX(version), 0) + 1 FROM versions WHERE model = ?"
+        return int(self._db.execute(sql, (name,)).fetchone()[0])
+
+    def _remove_versions(self, name: str, versions: Iterable[int]) -> str:
+        """Delete versions (the model too once it has none); the caller's transaction
+        rolls everything back if any check fails."""
+        refs = [Ref(name, v) for v in versions]
+        for ref in refs:
+            self._require_version(str(ref))
+            self._refuse_if_used(ref)
+            self._db.execute(
+                "DELETE FROM versions WHERE model = ? AND version = ?", (name, ref.version)
+            )
+        if not self._version_numbers(name):
+            adapters = [a.name for a in self.adapters() if a.base_model == name]
+            if adapters:
+                raise InUseError(f"{name} is the base model of adapters: {', '.join(adapters)}")
+            self._db.execute("DELETE FROM models WHERE name = ?", (name,))
+        return ", ".join(map(str, refs)) or f"model {name}"
+
+    def _refuse_if_used(self, ref: Ref) -> None:
+        users = self.users(str(ref))
+        if users:
+            raise InUseError(f"{ref} is in use by running replicas: {', '.join(users)}")
+        aliases = [a.name for a in self.aliases() if str(ref) in (a.target, a.canary)]
+        if aliases:
+            raise InUseError(f"{ref} is the target or canary of aliases: {', '.join(aliases)}")
+
+
+def _check_choice(value: str, allowed: Sequence[str], what: str) -> None:
+    if value not in allowed:
+        raise RegistryError(f"{what} {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _check_engine_args(args: Sequence[str]) -> list[str]:
+    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+        raise RegistryError(f"engine args must be a list of strings, got {args!r}")
+    return list(args)
+
+
+def _version_from_row(row: Sequence[Any]) -> ModelVersion:
+    model, version, quant, source, args, _manifest, digest, total, created = row
+    return ModelVersion(
+        model, version, quant, source, tuple(json.loads(args)), digest, total, created
+    )
+
+
+def _adapter_from_row(row: Sequence[Any]) -> Adapter:
+    name, base, rank, path, _manifest, digest, total, created = row
+    return Adapter(name, base, rank, path, digest, total, created)
+
+
+def _alias_from_row(row: Sequence[Any]) -> Alias:
+    name, model, version, c_model, c_version, percent, updated = row
+    canary = f"{c_model}@{c_version}" if c_model is not None else None
+    return Alias(name, f"{model}@{version}", canary, percent, updated)
