@@ -81,6 +81,8 @@ class LocalLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{name}-local{job_id}.sh"
         path.write_text(script)
+        # The job number goes where Slurm puts its job id, so replicas map to jobs alike.
+        env = {**os.environ, "SLURM_JOB_ID": str(job_id)}
         with open(self.log_dir / f"{name}-local{job_id}.out", "ab") as out:
             proc = subprocess.Popen(
                 ["bash", str(path)],
@@ -88,6 +90,7 @@ class LocalLauncher:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                env=env,
             )
         self._jobs[job_id] = _LocalJob(job_id, name, options.get("comment", ""), proc)
         return job_id

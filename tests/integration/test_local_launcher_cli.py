@@ -72,8 +72,8 @@ def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
         status = hpcserve("status", "--json", "--config", str(state / "hpcserve.toml"))
         replicas = json.loads(status.stdout)["replicas"]
         assert [(r["model"], r["pool"], r["job_id"]) for r in replicas] == [
-            ("tiny-chat", "tiny-chat", 0)
-        ]  # a local process, not a Slurm job
+            ("tiny-chat", "tiny-chat", 1)
+        ]  # the local launcher's job number
 
         again = hpcserve("up", "--state-dir", str(state), "--launcher", "local", timeout=120)
         assert again.returncode == 0 and "router already running" in again.stdout
