@@ -23,7 +23,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.engine_launch.load import parse_vllm_load
@@ -50,6 +51,9 @@ class EngineOptions:
     heartbeat_s: float = 2.0
     ready_timeout_s: float = 900.0
     drain_s: int = 30
+    cache_dir: str = ""
+    manifest: str = ""
+    model_ref: str = ""
     extra_args: tuple[str, ...] = ()
 
 
@@ -121,6 +125,46 @@ class EngineRunner:
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, lambda num, _f: self.request_stop(signal.Signals(num).name))
+
+    def stage_model(self) -> None:
+        """Copy the model into the node-local cache (or find it there, verified) and point
+        vLLM at the copy; the engine holds a lease on it so it is not evicted while in use."""
+        from hpcserve.modelcache.cache import NodeCache
+        from hpcserve.modelcache.errors import CacheError
+        from hpcserve.modelcache.manifest import decode_manifest
+        from hpcserve.modelcache.progress import Progress
+        from hpcserve.modelcache.refs import parse_ref
+        from hpcserve.modelcache.stage import stage
+
+        if not self.options.cache_dir:
+            raise EngineFailed("--manifest needs --cache-dir (engine.cache_dir in the config)")
+        try:
+            ref = parse_ref(self.options.model_ref)
+            if ref.version is None:
+                raise ValueError(f"--model-ref {ref} names no version (expected name@N)")
+            manifest = decode_manifest(Path(self.options.manifest).read_bytes())
+            cache = NodeCache(Path(self.options.cache_dir))
+            with Progress(f"staging {ref}", manifest.total_bytes) as progress:
+                staged = stage(
+                    manifest,
+                    Path(self.options.model_path),
+                    cache,
+                    name=ref.name,
+                    version=ref.version,
+                    progress=progress,
+                    lease_pid=os.getpid(),
+                )
+        except (CacheError, OSError, ValueError) as err:
+            raise EngineFailed(f"cannot stage {self.options.model_ref}: {err}") from None
+        log.info(
+            "model %s %s at %s (%.1f GB in %.1fs)",
+            self.options.model_ref,
+            "staged" if staged.copied else "found in the node cache",
+            staged.path,
+            staged.bytes / 1e9,
+            staged.seconds,
+        )
+        self.spec = replace(self.spec, model_path=str(staged.path))
 
     def start_vllm(self) -> None:
         argv = vllm_argv(self.spec)
@@ -216,6 +260,8 @@ class EngineRunner:
                     f"model path {self.options.model_path!r} is not a directory on node "
                     f"{self.topology.node} (weights are read from disk, never downloaded)"
                 )
+            if self.options.manifest:
+                self.stage_model()
             self.start_vllm()
             self.wait_ready()
             if not self._stop.is_set():

@@ -114,6 +114,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
         ready_timeout_s=args.ready_timeout_s,
         drain_s=args.drain_s,
+        cache_dir=args.cache_dir,
+        manifest=args.manifest,
+        model_ref=args.model_ref,
         extra_args=tuple(extra),
     )
     return EngineRunner(options).run()
@@ -252,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-s", type=float, default=2.0)
     p.add_argument("--ready-timeout-s", type=float, default=900.0)
     p.add_argument("--drain-s", type=int, default=30)
+    p.add_argument("--cache-dir", default="", help="node-local cache to stage the model into")
+    p.add_argument("--manifest", default="", help="digest manifest of the model (JSON)")
+    p.add_argument("--model-ref", default="", help="registry name@version of the model")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra vLLM arguments")
     p.set_defaults(func=cmd_engine)
 

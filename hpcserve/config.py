@@ -96,7 +96,10 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     name: Name
-    model_path: str
+    # Where the weights are: a directory on a shared filesystem, or (model_ref) a version or
+    # alias in the model registry, whose weights are then staged into engine.cache_dir.
+    model_path: str = ""
+    model_ref: str = ""
     served_model_name: ModelName = ""
     replicas: NonNegInt = 1
     gpus_per_replica: NonNegInt = 1
@@ -118,16 +121,23 @@ class EngineHostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     advertise_host: str = ""  # default: the node's hostname
     ready_timeout_s: PosFloat = 900.0
     python: str = ""  # interpreter with vLLM; default: the one running hpcserve
+    # Node-local directory (NVMe) that registry models are staged into before vLLM starts.
+    cache_dir: str = ""
 
 
 class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_dir: str = ".state"
+    # The model registry (SQLite on the control node); default: <state_dir>/registry.sqlite3.
+    registry: str = ""
     router: RouterConfig = RouterConfig()
     gateway: GatewayConfig = GatewayConfig()
     slurm: SlurmConfig = SlurmConfig()
     poolmgr: PoolMgrConfig = PoolMgrConfig()
     engine: EngineHostConfig = EngineHostConfig()
     pools: list[PoolConfig] = []
+
+    def registry_path(self) -> str:
+        return self.registry or str(Path(self.state_dir) / "registry.sqlite3")
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -177,6 +187,17 @@ def _check_semantics(cfg: PlatformConfig) -> None:
         if pool.name in seen:
             raise ConfigError(f"pools[{i}].name: {pool.name!r} is used by an earlier pool")
         seen.add(pool.name)
+        if bool(pool.model_path) == bool(pool.model_ref):
+            raise ConfigError(
+                f"pools[{i}]: set exactly one of model_path (a directory) and model_ref (a "
+                f"registry version or alias); got model_path={pool.model_path!r}, "
+                f"model_ref={pool.model_ref!r}"
+            )
+        if pool.model_ref and not cfg.engine.cache_dir:
+            raise ConfigError(
+                f"pools[{i}].model_ref: {pool.model_ref!r} needs engine.cache_dir, the "
+                "node-local directory the model is staged into"
+            )
         gpus = pool.tensor_parallel * pool.pipeline_parallel
         if pool.engine != "vllm-cpu" and pool.gpus_per_replica < gpus:
             raise ConfigError(

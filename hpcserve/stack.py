@@ -70,11 +70,16 @@ def demo_config(state_dir: Path, *, launcher: str, api_key: str) -> PlatformConf
             log_dir=str(state_dir / "jobs"),
         ),
         poolmgr=PoolMgrConfig(poll_s=2.0, launcher=launcher),  # type: ignore[arg-type]
-        engine=EngineHostConfig(bind_host="127.0.0.1", advertise_host="127.0.0.1"),
+        engine=EngineHostConfig(
+            bind_host="127.0.0.1",
+            advertise_host="127.0.0.1",
+            cache_dir=str(state_dir / "nodecache"),
+        ),
         pools=[
             PoolConfig(
                 name=DEMO_MODEL,
-                model_path=str(state_dir / "models" / DEMO_MODEL),
+                # A registry version, staged into the (demo) node cache by the engine job.
+                model_ref=f"{DEMO_MODEL}@1",
                 replicas=1,
                 gpus_per_replica=1,
                 engine="vllm-cpu" if cpu else "vllm",
@@ -149,13 +154,36 @@ class Stack:
         return config
 
     def _ensure_demo_model(self, config: PlatformConfig) -> None:
-        for pool in config.pools:
-            path = Path(pool.model_path)
-            if pool.name == DEMO_MODEL and not path.exists():
-                from hpcserve.tinymodels import make_tiny_model
+        """Make the tiny demo model and register it, for a demo pool that asks for it."""
+        demo = [p for p in config.pools if p.name == DEMO_MODEL]
+        if not demo:
+            return
+        pool = demo[0]
+        if pool.model_path:
+            if not Path(pool.model_path).exists():
+                self._make_demo_model(Path(pool.model_path))
+            return
+        from hpcserve.modelcache.manifest import build_manifest
+        from hpcserve.modelcache.registry import NotFoundError, Registry
 
-                say(f"making the tiny demo model in {path}")
-                make_tiny_model("chat", path, progress=lambda line: say(f"  {line}"))
+        Path(config.engine.cache_dir).mkdir(parents=True, exist_ok=True)
+        registry = Registry(Path(config.registry_path()))
+        try:
+            registry.version(pool.model_ref)
+        except NotFoundError:
+            source = Path(config.state_dir) / "models" / DEMO_MODEL
+            if not source.exists():
+                self._make_demo_model(source)
+            version = registry.add_version(DEMO_MODEL, str(source), build_manifest(source))
+            say(f"registered {version.ref} in the model registry {config.registry_path()}")
+        finally:
+            registry.close()
+
+    def _make_demo_model(self, path: Path) -> None:
+        from hpcserve.tinymodels import make_tiny_model
+
+        say(f"making the tiny demo model in {path}")
+        make_tiny_model("chat", path, progress=lambda line: say(f"  {line}"))
 
     def _start_local_slurm(self) -> None:
         from hpcserve.localslurm import LocalSlurm

@@ -21,6 +21,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import ConfigError, PlatformConfig, PoolConfig, load_config
+from hpcserve.modelcache.registry import RegistryError
 from hpcserve.poolmgr.failures import FailureTracker
 from hpcserve.poolmgr.identity import JobIdentity
 from hpcserve.poolmgr.observe import Observation, observe
@@ -37,7 +38,7 @@ from hpcserve.poolmgr.reconcile import (
 from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
 from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
-from hpcserve.poolmgr.spec import build_job_spec, job_log_dir, pool_spec_digest
+from hpcserve.poolmgr.spec import build_job_spec, job_log_dir, pool_spec_digest, resolve_model
 from hpcserve.poolmgr.state_files import PoolMgrStatus, PoolStatus, read_overrides, write_status
 from hpcserve.router.client import RouterQueryError, list_replicas
 from hpcserve.router.protocol import ReplicaInfo
@@ -257,8 +258,13 @@ class PoolManager:
     def _submit(self, pool: PoolConfig, count: int, now: float) -> None:
         self.memory.last_submit[pool.name] = now
         job_log_dir(self.config).mkdir(parents=True, exist_ok=True)
+        try:
+            model = resolve_model(self.config, pool)
+        except (RegistryError, OSError) as err:
+            log.error("pool %s: cannot resolve model %r: %s", pool.name, pool.model_ref, err)
+            return
         for _ in range(count):
-            script = render(build_job_spec(self.config, pool))
+            script = render(build_job_spec(self.config, pool, model))
             try:
                 job_id = self.slurm.submit(
                     script, extra_args=[*self.config.slurm.extra_args, *pool.sbatch_args]

@@ -42,6 +42,9 @@ class JobSpec:
     bind_host: str = "0.0.0.0"
     advertise_host: str = ""
     heartbeat_s: float = 2.0
+    cache_dir: str = ""
+    manifest: str = ""
+    model_ref: str = ""
     partition: str = ""
     account: str = ""
     qos: str = ""
@@ -105,6 +108,12 @@ def settings_lines(spec: JobSpec) -> list[str]:
         "HPCSERVE_BIND_HOST": spec.bind_host,
         "HPCSERVE_ADVERTISE_HOST": spec.advertise_host,
     }
+    if spec.manifest:
+        values |= {
+            "HPCSERVE_CACHE_DIR": spec.cache_dir,
+            "HPCSERVE_MANIFEST": spec.manifest,
+            "HPCSERVE_MODEL_REF": spec.model_ref,
+        }
     lines = [f"{name}={shlex.quote(value)}" for name, value in values.items()]
     lines.append(
         "HPCSERVE_ENGINE_ARGS=(" + " ".join(shlex.quote(a) for a in spec.engine_args) + ")"

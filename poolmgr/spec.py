@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -12,6 +13,7 @@ import msgspec
 from hpcserve.config import PlatformConfig, PoolConfig
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.render import JobSpec
+from hpcserve.poolmgr.state_files import write_atomic
 
 
 def hpcserve_executable() -> str:
@@ -40,8 +42,49 @@ def pool_spec_digest(config: PlatformConfig, pool: PoolConfig) -> str:
     return hashlib.sha256(msgspec.json.encode(shape)).hexdigest()[:8]
 
 
-def build_job_spec(config: PlatformConfig, pool: PoolConfig) -> JobSpec:
+@dataclass(frozen=True)
+class ResolvedModel:
+    model_path: str  # the weights' source directory
+    engine_args: tuple[str, ...] = ()
+    model_ref: str = ""  # name@version in the registry
+    manifest: str = ""  # where its digest manifest was written for the job to read
+
+
+def resolve_model(config: PlatformConfig, pool: PoolConfig) -> ResolvedModel:
+    """A pool's weights: its model_path, or its registry ref resolved to a version whose
+    manifest is written (once) under <state_dir>/manifests for the job to stage from.
+    Raises RegistryError naming the ref when the registry does not have it."""
+    if not pool.model_ref:
+        return ResolvedModel(model_path=pool.model_path)
+    from hpcserve.modelcache.refs import cache_key
+    from hpcserve.modelcache.registry import Registry
+
+    registry = Registry(Path(config.registry_path()))
+    try:
+        version = registry.version(pool.model_ref)
+        manifest = registry.manifest(version.ref)
+    finally:
+        registry.close()
+    path = (
+        Path(config.state_dir)
+        / "manifests"
+        / (cache_key(version.model, version.version, manifest.digest()) + ".json")
+    )
+    if not path.exists():
+        write_atomic(path, manifest.encode())
+    return ResolvedModel(
+        model_path=version.source,
+        engine_args=tuple(version.engine_args),
+        model_ref=version.ref,
+        manifest=str(path),
+    )
+
+
+def build_job_spec(
+    config: PlatformConfig, pool: PoolConfig, model: ResolvedModel | None = None
+) -> JobSpec:
     """The values of one replica's job script; a fresh identity (nonce) each call."""
+    model = model or ResolvedModel(model_path=pool.model_path or f"(registry: {pool.model_ref})")
     identity = new_identity(pool.name, pool.model, spec=pool_spec_digest(config, pool))
     return JobSpec(
         job_name=f"{config.poolmgr.job_name_prefix}-{pool.name}",
@@ -50,7 +93,7 @@ def build_job_spec(config: PlatformConfig, pool: PoolConfig) -> JobSpec:
         time_limit_min=config.slurm.time_limit_min,
         drain_s=config.slurm.drain_s,
         hpcserve_bin=hpcserve_executable(),
-        model_path=pool.model_path,
+        model_path=model.model_path,
         model=pool.model,
         router=config.router.engines_dial(),
         pool=pool.name,
@@ -60,10 +103,13 @@ def build_job_spec(config: PlatformConfig, pool: PoolConfig) -> JobSpec:
         bind_host=config.engine.bind_host,
         advertise_host=config.engine.advertise_host,
         heartbeat_s=config.router.heartbeat_s,
+        cache_dir=config.engine.cache_dir if model.manifest else "",
+        manifest=model.manifest,
+        model_ref=model.model_ref,
         partition=config.slurm.partition,
         account=config.slurm.account,
         qos=config.slurm.qos,
         output=str(job_log_dir(config) / "%x-%j.out"),
-        engine_args=tuple(pool.engine_args),
+        engine_args=(*model.engine_args, *pool.engine_args),
         env=tuple(sorted(pool.env.items())),
     )

@@ -62,11 +62,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             log_dir=str(state / "jobs"),
         ),
         poolmgr=PoolMgrConfig(poll_s=1.0, metrics_port=free_port()),
-        engine=EngineHostConfig(bind_host="127.0.0.1", advertise_host="127.0.0.1"),
+        engine=EngineHostConfig(
+            bind_host="127.0.0.1", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
+        ),
         pools=[
             PoolConfig(
                 name=MODEL,
-                model_path=str(state / "models" / MODEL),
+                model_ref=f"{MODEL}@1",  # registered by `up`, staged by the job
                 replicas=1,
                 engine="vllm-cpu",
                 engine_args=["--dtype", "float32", "--max-model-len", "1024"],
@@ -218,6 +220,10 @@ def test_down_drains_and_leaves_no_process_behind(stack: tuple[Stack, PlatformCo
     # The engine drained: it deregistered and vLLM exited on its own, cleanly.
     (log,) = job_logs
     text = log.read_text()
+    # vLLM loaded the registry version from the node cache, not from the shared source.
+    cached = Path(config.engine.cache_dir)
+    assert "model tiny-chat@1 staged at " + str(cached) in text
+    assert f"--model {cached}/tiny-chat@1-" in text
     assert "stop requested: SIGTERM" in text
     assert "deregistered" in text
     assert "engine stopped (vLLM exit code 0)" in text
