@@ -144,8 +144,8 @@ def _stat_fields(pid: int) -> list[str]:
     return text[text.rfind(")") + 2 :].split()
 
 
-def _alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (PID 1 may be slow to reap)."""
     fields = _stat_fields(pid)
     return bool(fields) and fields[0] not in ("Z", "X")
 
@@ -186,10 +186,10 @@ def _signal(pids: Iterable[int], sig: int) -> None:
 
 
 def _wait_gone(pids: Iterable[int], deadline: float) -> set[int]:
-    left = {p for p in pids if _alive(p)}
+    left = {p for p in pids if pid_alive(p)}
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = {p for p in left if _alive(p)}
+        left = {p for p in left if pid_alive(p)}
     return left
 
 
@@ -352,7 +352,7 @@ class LocalSlurm:
             pid = int(pid_file.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
-        if not _alive(pid):
+        if not pid_alive(pid):
             return None
         argv = _cmdline(pid)
         if not argv or Path(argv[0]).name != binary or str(self.conf_path) not in argv:
@@ -377,7 +377,7 @@ class LocalSlurm:
                 argv
                 and Path(argv[0]).name in ("slurmctld", "slurmd")
                 and conf in argv
-                and _alive(pid)
+                and pid_alive(pid)
             ):
                 found.add(pid)
         return found
@@ -388,7 +388,7 @@ class LocalSlurm:
         return {
             pid
             for pid in _all_pids()
-            if _comm(pid) == "slurmstepd" and _alive(pid) and _env_has(pid, "SLURM_CONF", conf)
+            if _comm(pid) == "slurmstepd" and pid_alive(pid) and _env_has(pid, "SLURM_CONF", conf)
         }
 
     def is_running(self) -> bool:
@@ -436,7 +436,7 @@ class LocalSlurm:
         MUNGE_RUN_DIR.mkdir(parents=True, exist_ok=True)
         os.chown(MUNGE_RUN_DIR, munge_user.pw_uid, munge_user.pw_gid)
         munged = _which("munged") or "/usr/sbin/munged"
-        others = [p for p in _all_pids() if _comm(p) == "munged" and _alive(p)]
+        others = [p for p in _all_pids() if _comm(p) == "munged" and pid_alive(p)]
         # --force only when no munged runs at all: it clears a stale socket lock of a dead one
         argv = ["runuser", "-u", "munge", "--", munged] + ([] if others else ["--force"])
         res = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
@@ -464,8 +464,8 @@ class LocalSlurm:
             pid = int(owner.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             pid = 0
-        others = [p for p in _all_pids() if _comm(p) in ("slurmctld", "slurmd") and _alive(p)]
-        if pid and _comm(pid) == "munged" and _alive(pid):
+        others = [p for p in _all_pids() if _comm(p) in ("slurmctld", "slurmd") and pid_alive(p)]
+        if pid and _comm(pid) == "munged" and pid_alive(pid):
             if others:
                 log.warning(
                     "leaving munged (pid %d, started by this cluster) running: other Slurm "

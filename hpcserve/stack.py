@@ -36,6 +36,7 @@ from hpcserve.config import (
     hash_api_key,
     load_config,
 )
+from hpcserve.localslurm import pid_alive
 
 SERVICES = ("router", "gateway", "poolmgr")
 DEMO_MODEL = "tiny-chat"
@@ -209,11 +210,10 @@ class Stack:
             pid = int(self._pid_file(service).read_text())
         except (OSError, ValueError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return pid
+        started = self._started.get(service)
+        if started is not None:
+            started.poll()  # reaps our own child once it exited
+        return pid if pid_alive(pid) else None
 
     def _start_service(self, service: str) -> None:
         if self._alive_pid(service):
@@ -365,9 +365,9 @@ class Stack:
         say(f"stopping {service} (pid {pid})")
         os.killpg(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _process_exists(pid):
+        while time.monotonic() < deadline and self._alive_pid(service):
             time.sleep(0.2)
-        if _process_exists(pid):
+        if self._alive_pid(service):
             say(f"{service} did not stop within {timeout_s:g}s; killing it")
             os.killpg(pid, signal.SIGKILL)
         started = self._started.pop(service, None)
@@ -380,16 +380,3 @@ class Stack:
         from hpcserve.poolmgr.shutdown import drain_all_jobs
 
         drain_all_jobs(make_launcher(config), config, say)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie of ours would still answer kill(0); reap it.
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
