@@ -173,6 +173,18 @@ async def completions(gateway: Gateway, request: Request) -> Response:
     return await gateway.relay_to_model(request, "/v1/completions")
 
 
+async def embeddings(gateway: Gateway, request: Request) -> Response:
+    return await gateway.relay_to_model(request, "/v1/embeddings")
+
+
+async def rerank(gateway: Gateway, request: Request) -> Response:
+    return await gateway.relay_to_model(request, "/v1/rerank")
+
+
+async def score(gateway: Gateway, request: Request) -> Response:
+    return await gateway.relay_to_model(request, "/v1/score")
+
+
 async def list_models(gateway: Gateway, request: Request) -> Response:
     gateway.keys.tenant_for(request.headers.get("authorization"))
     try:
@@ -217,6 +229,12 @@ def build_app(gateway: Gateway) -> Starlette:
             "/v1/chat/completions", _endpoint(gateway, "chat", chat_completions), methods=["POST"]
         ),
         Route("/v1/completions", _endpoint(gateway, "completions", completions), methods=["POST"]),
+        Route("/v1/embeddings", _endpoint(gateway, "embeddings", embeddings), methods=["POST"]),
+        # vLLM serves rerank and score with and without the /v1 prefix (Cohere/Jina style).
+        Route("/v1/rerank", _endpoint(gateway, "rerank", rerank), methods=["POST"]),
+        Route("/rerank", _endpoint(gateway, "rerank", rerank), methods=["POST"]),
+        Route("/v1/score", _endpoint(gateway, "score", score), methods=["POST"]),
+        Route("/score", _endpoint(gateway, "score", score), methods=["POST"]),
         Route("/v1/models", _endpoint(gateway, "models", list_models), methods=["GET"]),
         Route("/health", _endpoint(gateway, "health", health), methods=["GET"]),
         Route("/metrics", _endpoint(gateway, "metrics", metrics), methods=["GET"]),

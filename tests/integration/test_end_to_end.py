@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -28,6 +29,8 @@ from hpcserve.config import (
     hash_api_key,
 )
 from hpcserve.stack import Stack
+from hpcserve.tinymodels import make_tiny_model
+from tests.integration.slurm_helpers import conf_processes
 from tests.ports import free_port
 from tests.processes import processes_mentioning
 
@@ -35,6 +38,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 API_KEY = "sk-e2e-test-key"
 MODEL = "tiny-chat"
+EMBED = "tiny-embed"
+RERANK = "tiny-rerank"
 SLURM_PORT = 36817
 
 
@@ -73,14 +78,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
                 engine="vllm-cpu",
                 engine_args=["--dtype", "float32", "--max-model-len", "1024"],
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-            )
+            ),
+            *(
+                PoolConfig(
+                    name=name,
+                    model_path=str(make_tiny_model(kind, state / "models" / name)),
+                    engine="vllm-cpu",
+                    engine_args=["--dtype", "float32", "--max-model-len", "512"],
+                    env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                )
+                for name, kind in ((EMBED, "embed"), (RERANK, "rerank"))
+            ),
         ],
     )
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(API_KEY + "\n")
     up = Stack(state, slurm_port=SLURM_PORT)
     try:
-        assert up.up(launcher="slurm", timeout_s=420) == 0, "hpcserve up failed (see output)"
+        assert up.up(launcher="slurm", timeout_s=600) == 0, "hpcserve up failed (see output)"
         yield up, config
     finally:
         up.down()
@@ -97,8 +112,8 @@ def client(stack: tuple[Stack, PlatformConfig]) -> openai.OpenAI:
     )
 
 
-def test_models_lists_the_pool_model(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list()] == [MODEL]
+def test_models_lists_every_pool_model(client: openai.OpenAI) -> None:
+    assert sorted(m.id for m in client.models.list()) == [MODEL, EMBED, RERANK]
 
 
 def test_chat_completion_served_by_vllm_in_a_slurm_job(client: openai.OpenAI) -> None:
@@ -189,6 +204,51 @@ def test_errors_are_openai_errors(client: openai.OpenAI) -> None:
         )
 
 
+def test_embeddings_from_a_bert_pool(client: openai.OpenAI) -> None:
+    texts = ["bill of lading", "customs declaration", "bill of lading"]
+    reply = client.embeddings.create(model=EMBED, input=texts)
+    assert reply.model == EMBED and len(reply.data) == 3
+    vectors = [d.embedding for d in sorted(reply.data, key=lambda d: d.index)]
+    assert {len(v) for v in vectors} == {128}
+    assert vectors[0] == vectors[2] and vectors[0] != vectors[1]
+    assert reply.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/rerank", "/rerank"])
+def test_rerank_from_a_cross_encoder_pool(stack: tuple[Stack, PlatformConfig], path: str) -> None:
+    _, config = stack
+    docs = ["a bill of lading", "a weather report", "the consignee and the port"]
+    response = httpx.post(
+        f"http://127.0.0.1:{config.gateway.port}{path}",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": RERANK, "query": "shipping documents", "documents": docs},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    assert sorted(r["index"] for r in results) == [0, 1, 2]
+    scores = [r["relevance_score"] for r in results]
+    assert scores == sorted(scores, reverse=True), "results come best first"
+
+
+def test_score_pairs_and_a_chat_model_refuses_embeddings(
+    stack: tuple[Stack, PlatformConfig], client: openai.OpenAI
+) -> None:
+    _, config = stack
+    response = httpx.post(
+        f"http://127.0.0.1:{config.gateway.port}/v1/score",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": RERANK, "text_1": "shipping", "text_2": ["bill of lading", "weather"]},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 2
+    # The chat engine has no embedding endpoint: the client gets vLLM's error, not a 500.
+    with pytest.raises(openai.APIStatusError) as err:
+        client.embeddings.create(model=MODEL, input=["x"])
+    assert 400 <= err.value.status_code < 500
+
+
 def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig]) -> None:
     up, _ = stack
     out = subprocess.run(
@@ -200,10 +260,12 @@ def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig
     )
     status = json.loads(out.stdout)
     assert status["errors"] == []
-    (pool,) = status["pools"]
-    assert (pool["pool"], pool["desired"], pool["jobs"], pool["serving"]) == (MODEL, 1, 1, 1)
-    (job,) = status["jobs"]
-    (replica,) = status["replicas"]
+    pools = {p["pool"]: p for p in status["pools"]}
+    assert sorted(pools) == sorted([MODEL, EMBED, RERANK])
+    chat = pools[MODEL]
+    assert (chat["desired"], chat["jobs"], chat["serving"], chat["failures"]) == (1, 1, 1, 0)
+    (job,) = [j for j in status["jobs"] if j["pool"] == MODEL]
+    (replica,) = [r for r in status["replicas"] if r["pool"] == MODEL]
     assert job["state"] == "RUNNING" and job["node"] in ("n1", "n2")
     assert replica["job_id"] == job["job_id"] and replica["node"] == job["node"]
     assert {n["node"] for n in status["nodes"]} == {"n1", "n2"}
@@ -212,11 +274,13 @@ def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig
 
 def test_down_drains_and_leaves_no_process_behind(stack: tuple[Stack, PlatformConfig]) -> None:
     up, config = stack
-    job_logs = list(Path(config.slurm.log_dir).glob("*.out"))
+    job_logs = list(Path(config.slurm.log_dir).glob(f"hpcserve-{MODEL}-*.out"))
+    assert len(list(Path(config.slurm.log_dir).glob("*.out"))) == 3
     assert up.down() == 0
     assert processes_mentioning(str(up.state_dir)) == []
-    assert processes_mentioning("vllm.entrypoints.openai.api_server") == []
-    assert processes_mentioning("VLLM::") == []  # engine core and workers rename themselves
+    # Every process of a job has the cluster's SLURM_CONF in its environment, also the vLLM
+    # engine core and workers, which rename themselves (VLLM::...).
+    assert conf_processes(Path(config.slurm.conf)) == []
     # The engine drained: it deregistered and vLLM exited on its own, cleanly.
     (log,) = job_logs
     text = log.read_text()

@@ -16,8 +16,10 @@ POOL = {"name": "chat", "model_path": "/models/llama"}
         ),
         ({"pools": [{"name": "chat"}]}, "pools[0]: set exactly one of model_path"),
         ({"pools": [{**POOL, "model_ref": "llama@1"}]}, "pools[0]: set exactly one of model_path"),
-        ({"pools": [{"name": "chat", "model_ref": "llama@1"}]},
-         "pools[0].model_ref: 'llama@1' needs engine.cache_dir"),
+        (
+            {"pools": [{"name": "chat", "model_ref": "llama@1"}]},
+            "pools[0].model_ref: 'llama@1' needs engine.cache_dir",
+        ),
         ({"pools": [{"model_path": "/m"}]}, "pools[0]: object missing required field `name`"),
         ({"pools": [{**POOL, "name": "bad name"}]}, "pools[0].name: expected `str` matching"),
         ({"routr": {}}, "(top level): object contains unknown field `routr`"),
