@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec, preflight
 from hpcserve.poolmgr.slurm import SlurmCLI
+from hpcserve.router.client import list_models
+from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import conf_processes, free_port_block, wait_for
 
 
@@ -39,3 +43,49 @@ def slurm(cluster: LocalSlurm) -> Iterator[SlurmCLI]:
         lambda: not any(j.state.is_active for j in client.jobs().jobs),
         timeout=15,
     )
+
+
+@pytest.fixture
+def engine(router: RouterServer) -> Iterator[subprocess.Popen[str]]:
+    """`hpcserve engine --engine sim` registered with the test router (10 ms per token)."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpcserve.cli",
+            "engine",
+            "--engine",
+            "sim",
+            "--model-path",
+            "/nonexistent",
+            "--served-model-name",
+            "sim",
+            "--pool",
+            "simpool",
+            "--router",
+            router.config.registry_bind,
+            "--bind-host",
+            "127.0.0.1",
+            "--advertise-host",
+            "127.0.0.1",
+            "--heartbeat-s",
+            "0.25",
+            "--drain-s",
+            "10",
+            "--",
+            "--decode-ms-per-token",
+            "10",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for("the engine to register", lambda: list_models(router.config.routing_bind))
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # the simulated engine gets SIGTERM through PR_SET_PDEATHSIG
+        proc.wait(10)
+        assert proc.stdout is not None
+        proc.stdout.close()

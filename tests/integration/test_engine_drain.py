@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,51 +27,6 @@ def wait_for(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-unt
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
-
-
-@pytest.fixture
-def engine(router: RouterServer) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hpcserve.cli",
-            "engine",
-            "--engine",
-            "sim",
-            "--model-path",
-            "/nonexistent",
-            "--served-model-name",
-            "sim",
-            "--pool",
-            "simpool",
-            "--router",
-            router.config.registry_bind,
-            "--bind-host",
-            "127.0.0.1",
-            "--advertise-host",
-            "127.0.0.1",
-            "--heartbeat-s",
-            "0.25",
-            "--drain-s",
-            "10",
-            "--",
-            "--decode-ms-per-token",
-            "10",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        wait_for(lambda: list_models(router.config.routing_bind) != [])
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()  # the simulated engine gets SIGTERM through PR_SET_PDEATHSIG
-        proc.wait(10)
-        assert proc.stdout is not None
-        proc.stdout.close()
 
 
 @pytest.fixture
