@@ -41,25 +41,44 @@ from tests.ports import free_port  # noqa: E402
 
 KEY = "sk-bench"
 MODEL = "bench-model"
-CHAT_BODY = json.dumps({
-    "model": MODEL,
-    "messages": [{"role": "system", "content": "You extract fields from shipping documents. " * 8},
-                 {"role": "user", "content": "Bill of lading 4711: consignee ACME GmbH. " * 10}],
-    "max_tokens": 64,
-}).encode()
-COMPLETION = json.dumps({
-    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "consignee: ACME GmbH" * 4}}],
-    "usage": {"prompt_tokens": 300, "completion_tokens": 20, "total_tokens": 320},
-}).encode()
-SSE = b"".join(
-    b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":'
-    b'[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n' for _ in range(16)
-) + b"data: [DONE]\n\n"
+CHAT_BODY = json.dumps(
+    {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You extract fields from shipping documents. " * 8},
+            {"role": "user", "content": "Bill of lading 4711: consignee ACME GmbH. " * 10},
+        ],
+        "max_tokens": 64,
+    }
+).encode()
+COMPLETION = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "consignee: ACME GmbH" * 4},
+            }
+        ],
+        "usage": {"prompt_tokens": 300, "completion_tokens": 20, "total_tokens": 320},
+    }
+).encode()
+SSE = (
+    b"".join(
+        b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":'
+        b'[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
+        for _ in range(16)
+    )
+    + b"data: [DONE]\n\n"
+)
 
 
 # -- the stand-in upstream ---------------------------------------------------------------
+
 
 async def upstream_app(scope, receive, send):  # type: ignore[no-untyped-def]
     if scope["type"] != "http":
@@ -71,18 +90,29 @@ async def upstream_app(scope, receive, send):  # type: ignore[no-untyped-def]
         if not message.get("more_body"):
             break
     if b'"stream": true' in body or b'"stream":true' in body:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
         for chunk in SSE.split(b"\n\n")[:-1]:
             await send({"type": "http.response.body", "body": chunk + b"\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/json")],
+        }
+    )
     await send({"type": "http.response.body", "body": COMPLETION})
 
 
 # -- the httpx relay, for comparison only ------------------------------------------------
+
 
 def httpx_relay(upstream_timeout_s: float):  # type: ignore[no-untyped-def]
     import httpx
@@ -94,8 +124,9 @@ def httpx_relay(upstream_timeout_s: float):  # type: ignore[no-untyped-def]
             self._client: httpx.AsyncClient | None = None
 
         async def start(self) -> None:
-            self._client = httpx.AsyncClient(timeout=upstream_timeout_s,
-                                             limits=httpx.Limits(max_connections=None))
+            self._client = httpx.AsyncClient(
+                timeout=upstream_timeout_s, limits=httpx.Limits(max_connections=None)
+            )
 
         async def close(self) -> None:
             assert self._client is not None
@@ -104,23 +135,30 @@ def httpx_relay(upstream_timeout_s: float):  # type: ignore[no-untyped-def]
         async def forward(self, url, body, request_headers, *, stream, on_done):  # type: ignore[no-untyped-def]
             assert self._client is not None
             request = self._client.build_request(
-                "POST", url, content=body, headers={"Content-Type": "application/json"})
+                "POST", url, content=body, headers={"Content-Type": "application/json"}
+            )
             upstream = await self._client.send(request, stream=True)
             if not stream:
                 payload = await upstream.aread()
                 await upstream.aclose()
                 on_done()
-                return Response(payload, status_code=upstream.status_code,
-                                media_type=upstream.headers.get("content-type"))
+                return Response(
+                    payload,
+                    status_code=upstream.status_code,
+                    media_type=upstream.headers.get("content-type"),
+                )
 
             async def chunks():  # type: ignore[no-untyped-def]
                 async for chunk in upstream.aiter_raw():
                     yield chunk
                 await upstream.aclose()
 
-            return StreamingResponse(chunks(), status_code=upstream.status_code,
-                                     media_type="text/event-stream",
-                                     background=BackgroundTask(on_done))
+            return StreamingResponse(
+                chunks(),
+                status_code=upstream.status_code,
+                media_type="text/event-stream",
+                background=BackgroundTask(on_done),
+            )
 
     return HttpxRelay()
 
@@ -133,13 +171,25 @@ def serve_gateway(config_path: str, client: str) -> None:
 
     config = load_config(Path(config_path))
     relay = httpx_relay(config.gateway.upstream_timeout_s) if client == "httpx" else None
-    gateway = Gateway(config.gateway, routing_endpoint=config.router.gateways_dial(),
-                      configured_models={MODEL}, relay=relay)
-    uvicorn.run(build_app(gateway), host="127.0.0.1", port=config.gateway.port, loop="uvloop",
-                http="httptools", access_log=False, log_level="warning")
+    gateway = Gateway(
+        config.gateway,
+        routing_endpoint=config.router.gateways_dial(),
+        configured_models={MODEL},
+        relay=relay,
+    )
+    uvicorn.run(
+        build_app(gateway),
+        host="127.0.0.1",
+        port=config.gateway.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+    )
 
 
 # -- the driver ---------------------------------------------------------------------------
+
 
 def wait_http(url: str, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
@@ -161,9 +211,22 @@ def run_wrk(url: str, body_file: Path, connections: int, seconds: int) -> dict[s
         f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
     )
     out = subprocess.run(
-        ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
-         "-s", str(lua), url],
-        capture_output=True, text=True, check=True,
+        [
+            "taskset",
+            "-c",
+            "1",
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "--latency",
+            "-s",
+            str(lua),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
@@ -178,8 +241,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--serve-gateway", nargs=2, metavar=("CONFIG", "CLIENT"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve-gateway", nargs=2, metavar=("CONFIG", "CLIENT"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.serve_gateway:
         serve_gateway(*args.serve_gateway)
@@ -193,36 +257,80 @@ def main() -> None:
     py = sys.executable
 
     def spawn(argv: list[str], core: str) -> None:
-        procs.append(subprocess.Popen(["taskset", "-c", core, *argv], cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                ["taskset", "-c", core, *argv],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
 
     try:
-        spawn([py, "-m", "uvicorn", "bench.proxy_overhead:upstream_app", "--port",
-               str(upstream_port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
-               "--log-level", "warning"], "1")
+        spawn(
+            [
+                py,
+                "-m",
+                "uvicorn",
+                "bench.proxy_overhead:upstream_app",
+                "--port",
+                str(upstream_port),
+                "--loop",
+                "uvloop",
+                "--http",
+                "httptools",
+                "--no-access-log",
+                "--log-level",
+                "warning",
+            ],
+            "1",
+        )
         gateways = {}
-        router_cfg = {"registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                      "routing_bind": f"tcp://127.0.0.1:{free_port()}", "metrics_port": 0}
-        config = parse_config({"router": router_cfg, "gateway": {"api_keys": [
-            {"tenant": "bench", "sha256": hash_api_key(KEY)}]}})
+        router_cfg = {
+            "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+            "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+            "metrics_port": 0,
+        }
+        config = parse_config(
+            {
+                "router": router_cfg,
+                "gateway": {"api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}]},
+            }
+        )
         (work / "router.toml").write_text(dump_config(config))
         spawn([py, "-m", "hpcserve.cli", "router", "--config", str(work / "router.toml")], "1")
         for client in ("aiohttp", "httpx"):
             port = free_port()
-            cfg = parse_config({"router": router_cfg, "gateway": {"port": port, "api_keys": [
-                {"tenant": "bench", "sha256": hash_api_key(KEY)}]}})
+            cfg = parse_config(
+                {
+                    "router": router_cfg,
+                    "gateway": {
+                        "port": port,
+                        "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}],
+                    },
+                }
+            )
             path = work / f"gateway-{client}.toml"
             path.write_text(dump_config(cfg))
-            spawn([py, str(ROOT / "bench" / "proxy_overhead.py"), "--serve-gateway", str(path),
-                   client], "0")
+            spawn(
+                [
+                    py,
+                    str(ROOT / "bench" / "proxy_overhead.py"),
+                    "--serve-gateway",
+                    str(path),
+                    client,
+                ],
+                "0",
+            )
             gateways[client] = f"http://127.0.0.1:{port}"
         upstream = f"http://127.0.0.1:{upstream_port}"
         wait_http(upstream + "/")
         for url in gateways.values():
             wait_http(url + "/health")
 
-        agent = RegistryAgent(router_cfg["registry_bind"],
-                              p.Register("bench-replica", MODEL, upstream))
+        agent = RegistryAgent(
+            router_cfg["registry_bind"], p.Register("bench-replica", MODEL, upstream)
+        )
         stop = threading.Event()
 
         def heartbeat() -> None:
@@ -247,8 +355,12 @@ def main() -> None:
                     key = f"{case} c={conns}"
                     r = run_wrk(base + "/v1/chat/completions", bodies[case], conns, args.seconds)
                     results.setdefault(key, {}).setdefault(name, []).append(r)
-                    print(f"round {round_no + 1} {key:12s} {name:8s} p50 {r['p50_ms']:7.2f} ms"
-                          f"  {r['rps']:8.0f} req/s", file=sys.stderr, flush=True)
+                    print(
+                        f"round {round_no + 1} {key:12s} {name:8s} p50 {r['p50_ms']:7.2f} ms"
+                        f"  {r['rps']:8.0f} req/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         stop.set()
         beat.join(3)
         agent.close()
@@ -262,23 +374,32 @@ def main() -> None:
     print("\n| case | target | p50 latency | added p50 vs direct | req/s | req/s vs aiohttp |")
     print("|---|---|---|---|---|---|")
     for key, by_target in results.items():
-        med = {name: {m: statistics.median(r[m] for r in runs) for m in ("p50_ms", "rps")}
-               for name, runs in by_target.items()}
+        med = {
+            name: {m: statistics.median(r[m] for r in runs) for m in ("p50_ms", "rps")}
+            for name, runs in by_target.items()
+        }
         for name, m in med.items():
             added = m["p50_ms"] - med["direct"]["p50_ms"]
             ratio = m["rps"] / med["aiohttp"]["rps"]
-            print(f"| {key} | {name} | {m['p50_ms']:.2f} ms | "
-                  f"{'-' if name == 'direct' else f'+{added:.2f} ms'} | {m['rps']:.0f} | "
-                  f"{ratio:.2f}x |")
+            print(
+                f"| {key} | {name} | {m['p50_ms']:.2f} ms | "
+                f"{'-' if name == 'direct' else f'+{added:.2f} ms'} | {m['rps']:.0f} | "
+                f"{ratio:.2f}x |"
+            )
             rows.append({"case": key, "target": name, **m})
     out_dir = ROOT / "bench" / "results"
     out_dir.mkdir(exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores, "
-            f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
-            "command": " ".join(["bench/proxy_overhead.py", *sys.argv[1:]]),
-            "rounds": args.rounds, "seconds": args.seconds}
-    (out_dir / "proxy_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                            indent=2) + "\n")
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores, "
+        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
+        "command": " ".join(["bench/proxy_overhead.py", *sys.argv[1:]]),
+        "rounds": args.rounds,
+        "seconds": args.seconds,
+    }
+    (out_dir / "proxy_overhead.json").write_text(
+        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,14 @@ sends SIGTERM to vLLM's API server process only, which drains in-flight
 requests for up to --drain-s and exits. If vLLM dies on its own the replica
 deregisters and the command exits non-zero, so Slurm records a failed job and
 the pool manager replaces it.
+
+A replica across several nodes (`--nnodes N`, one `hpcserve engine` per node started by
+`srun`, its rank from SLURM_NODEID) runs the above on node rank 0 only, which also listens
+on `--head-port` for the other ranks (lifeline.py). Each other rank starts a headless vLLM
+that joins rank 0's, registers nothing, and stops its vLLM once rank 0's engine closes the
+link, which rank 0 does only after its own vLLM has exited: the workers outlive the drain.
+`--drain-file` makes rank 0 drain when that file appears (what the multi-node job script
+uses, since Slurm's signals to a step reach every process of it, vLLM's included).
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.engine_launch.lifeline import HeadLink, WorkerLink
 from hpcserve.engine_launch.load import parse_vllm_load
-from hpcserve.engine_launch.topology import topology_from_env
+from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
 from hpcserve.engine_launch.vllm_args import EngineSpec, vllm_argv, vllm_env
 from hpcserve.router import protocol as p
 
@@ -55,6 +64,17 @@ class EngineOptions:
     manifest: str = ""
     model_ref: str = ""
     extra_args: tuple[str, ...] = ()
+    # A replica across nodes: node count, this node's rank (-1: SLURM_NODEID), where rank 0
+    # hosts torch.distributed (master) and its engine's link to the other ranks (head port).
+    nnodes: int = 1
+    node_rank: int = -1
+    master_addr: str = ""
+    master_port: int = 0
+    head_port: int = 0
+    # Drain when this file appears (rank 0 only).
+    drain_file: str = ""
+    # How long a rank > 0 tries to reach rank 0's engine, which starts at the same time.
+    head_connect_timeout_s: float = 120.0
 
 
 class EngineFailed(RuntimeError):
@@ -89,6 +109,14 @@ class EngineRunner:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
         self.topology = topology_from_env(os.environ)
+        self.node_rank = replica_node_rank(self.topology, options.nnodes, options.node_rank)
+        if options.nnodes > 1 and not (
+            options.master_addr and options.master_port and options.head_port
+        ):
+            raise TopologyError(
+                f"--nnodes {options.nnodes} needs --master-addr, --master-port and --head-port "
+                f"(got {options.master_addr!r}, {options.master_port}, {options.head_port})"
+            )
         local_host = "127.0.0.1" if options.bind_host in ("0.0.0.0", "") else options.bind_host
         self.port = options.port or free_port(options.bind_host)
         self.local_url = f"http://{local_host}:{self.port}"
@@ -105,6 +133,10 @@ class EngineRunner:
             pipeline_parallel=options.pipeline_parallel,
             drain_s=options.drain_s,
             extra_args=options.extra_args,
+            nnodes=options.nnodes,
+            node_rank=self.node_rank,
+            master_addr=options.master_addr,
+            master_port=options.master_port,
         )
         job = self.topology.job_id
         self.replica_id = (
@@ -114,6 +146,7 @@ class EngineRunner:
         )
         self._stop = threading.Event()
         self._stop_reason = ""
+        self._rank_lost = ""
         self.process: subprocess.Popen[bytes] | None = None
 
     def request_stop(self, reason: str) -> None:
@@ -121,6 +154,22 @@ class EngineRunner:
             self._stop_reason = reason
             log.info("stop requested: %s", reason)
             self._stop.set()
+
+    def on_rank_lost(self, rank: int) -> None:
+        """Rank 0: another rank's engine went away; its vLLM workers are gone with it."""
+        if not self._stop.is_set():
+            self._rank_lost = f"the engine of node rank {rank} is gone (its vLLM workers with it)"
+            self.request_stop(self._rank_lost)
+
+    def watch_drain_file(self, path: str) -> None:
+        def watch() -> None:
+            while not self._stop.is_set():
+                if os.path.exists(path):
+                    self.request_stop(f"drain requested ({path})")
+                    return
+                self._stop.wait(0.5)
+
+        threading.Thread(target=watch, name="drain-file", daemon=True).start()
 
     def install_signal_handlers(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
@@ -168,7 +217,8 @@ class EngineRunner:
 
     def start_vllm(self) -> None:
         argv = vllm_argv(self.spec)
-        log.info("starting vLLM: %s", " ".join(argv))
+        what = "headless vLLM" if self.spec.headless else "vLLM"
+        log.info("starting %s: %s", what, " ".join(argv))
         self.process = subprocess.Popen(
             argv, env=vllm_env(self.spec, os.environ), preexec_fn=_die_with_parent
         )
@@ -250,28 +300,104 @@ class EngineRunner:
             proc.kill()
             return proc.wait()
 
+    def prepare_model(self) -> None:
+        if self.options.engine != "sim" and not os.path.isdir(self.options.model_path):
+            raise EngineFailed(
+                f"model path {self.options.model_path!r} is not a directory on node "
+                f"{self.topology.node} (weights are read from disk, never downloaded)"
+            )
+        if self.options.manifest:
+            self.stage_model()
+
     def run(self) -> int:
         self.install_signal_handlers()
+        if self.node_rank > 0:
+            return self.run_headless()
+        head_link: HeadLink | None = None
+        if self.options.drain_file:
+            self.watch_drain_file(self.options.drain_file)
         agent = RegistryAgent(self.options.router, self.registration())
         failure: EngineFailed | None = None
         try:
-            if self.options.engine != "sim" and not os.path.isdir(self.options.model_path):
-                raise EngineFailed(
-                    f"model path {self.options.model_path!r} is not a directory on node "
-                    f"{self.topology.node} (weights are read from disk, never downloaded)"
+            if self.options.nnodes > 1:
+                log.info(
+                    "node rank 0 of %d: API server; torch.distributed at %s:%d; the other "
+                    "ranks' engines join this one on port %d",
+                    self.options.nnodes,
+                    self.options.master_addr,
+                    self.options.master_port,
+                    self.options.head_port,
                 )
-            if self.options.manifest:
-                self.stage_model()
+                try:
+                    head_link = HeadLink(self.options.head_port, on_lost=self.on_rank_lost)
+                except OSError as err:
+                    raise EngineFailed(
+                        f"cannot listen on --head-port {self.options.head_port}: {err}"
+                    ) from None
+            self.prepare_model()
             self.start_vllm()
             self.wait_ready()
             if not self._stop.is_set():
                 self.serve(agent)
+            if self._rank_lost:
+                raise EngineFailed(self._rank_lost)
         except EngineFailed as err:
             failure = err
             log.error("engine failed: %s", err)
         finally:
             agent.deregister(self._stop_reason or (str(failure) if failure else "stopping"))
             agent.close()
+            code = self.stop_vllm()
+            log.info("engine stopped (vLLM exit code %s)", code)
+            if head_link is not None:
+                head_link.close()  # now the other ranks stop their workers
+        return 1 if failure else 0
+
+    def run_headless(self) -> int:
+        """Node rank > 0: headless vLLM workers for rank 0's API server, until rank 0's
+        engine closes the link (its vLLM has exited) or this engine is told to stop."""
+        head = f"{self.options.master_addr}:{self.options.head_port}"
+        log.info(
+            "node rank %d of %d: headless vLLM workers; head engine at %s",
+            self.node_rank,
+            self.options.nnodes,
+            head,
+        )
+        failure: EngineFailed | None = None
+        link: WorkerLink | None = None
+        try:
+            self.prepare_model()
+            self.start_vllm()
+            assert self.process is not None
+            proc = self.process
+            try:
+                link = WorkerLink.connect(
+                    self.options.master_addr,
+                    self.options.head_port,
+                    self.node_rank,
+                    timeout_s=self.options.head_connect_timeout_s,
+                    keep_trying=lambda: not self._stop.is_set() and proc.poll() is None,
+                )
+            except ConnectionError as err:
+                if not self._stop.is_set() and proc.poll() is None:
+                    raise EngineFailed(str(err)) from None
+            if link is not None:
+                log.info("joined the head engine at %s", head)
+            while link is not None and not self._stop.is_set():
+                code = proc.poll()
+                if code is not None:
+                    raise EngineFailed(f"headless vLLM exited with code {code}")
+                if link.head_gone(0.5):
+                    log.info("the head engine closed the link: stopping the workers")
+                    break
+            if link is None and proc.poll() is not None and not self._stop.is_set():
+                raise EngineFailed(f"headless vLLM exited with code {proc.returncode}")
+        except EngineFailed as err:
+            failure = err
+            log.error("engine failed: %s", err)
+        finally:
+            if link is not None:
+                link.close()
             code = self.stop_vllm()
             log.info("engine stopped (vLLM exit code %s)", code)
         return 1 if failure else 0

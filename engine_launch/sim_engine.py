@@ -10,6 +10,10 @@ and /v1/completions, streamed or whole, with usage. Timing is a plain model for 
 fixed cost per prompt token and per output token (issue 8 replaces it with the roofline
 model of hpcserve.planner). SIGTERM drains like vLLM with --shutdown-timeout: new requests
 are refused, running ones finish, then the process exits.
+
+`--headless` stands in for a headless vLLM on node rank > 0 of a multi-node replica: it
+serves nothing and exits 0 on SIGTERM or SIGINT, so multi-node wiring (srun, ranks, drain)
+can be tested without vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import argparse
 import asyncio
 import json
 import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -217,15 +222,30 @@ async def _stream(
     yield b"data: [DONE]\n\n"
 
 
+def wait_headless() -> None:
+    """A headless rank: nothing to serve; exit 0 when told to stop."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--served-model-name", required=True)
+    parser.add_argument("--headless", action="store_true", help="a worker-only rank: wait")
+    parser.add_argument("--served-model-name", default="")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     parser.add_argument("--decode-ms-per-token", type=float, default=5.0)
     args, _unknown_vllm_args = parser.parse_known_args(argv)
+    if args.headless:
+        wait_headless()
+        return
+    if not args.served_model_name or not args.port:
+        parser.error("--served-model-name and --port are required unless --headless")
     engine = SimEngine(
         args.served_model_name,
         prefill_s_per_token=args.prefill_ms_per_token / 1000,

@@ -1,7 +1,15 @@
-"""The vLLM command line and environment for a replica (pure)."""
+"""The vLLM command line and environment for a replica, or for one node of it (pure).
+
+A replica on one node is one vLLM API server. A replica across N nodes (vLLM's multi-node
+launch with the multiprocessing backend) runs the same model arguments on every node with
+`--nnodes N --node-rank R --master-addr HEAD --master-port PORT`: node rank 0 runs the API
+server (and the workers of its node), every other rank runs `vllm serve --headless`
+(workers only), which joins rank 0's torch.distributed group at HEAD:PORT.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,9 +26,58 @@ class EngineSpec:
     pipeline_parallel: int = 1
     drain_s: int = 30
     extra_args: Sequence[str] = field(default_factory=tuple)
+    # Multi-node replicas: this node's rank, and where rank 0 hosts torch.distributed.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = ""
+    master_port: int = 0
+
+    @property
+    def headless(self) -> bool:
+        return self.node_rank > 0
+
+    @property
+    def local_world_size(self) -> int:
+        """Workers (GPUs) of this replica on this node."""
+        return max(self.tensor_parallel * self.pipeline_parallel // self.nnodes, 1)
+
+
+def _parallel_args(spec: EngineSpec) -> list[str]:
+    argv: list[str] = []
+    if spec.tensor_parallel > 1:
+        argv += ["--tensor-parallel-size", str(spec.tensor_parallel)]
+    if spec.pipeline_parallel > 1:
+        argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel)]
+    return argv
+
+
+def _multinode_args(spec: EngineSpec) -> list[str]:
+    if spec.nnodes == 1:
+        return []
+    return [
+        "--nnodes", str(spec.nnodes),
+        "--node-rank", str(spec.node_rank),
+        "--master-addr", spec.master_addr,
+        "--master-port", str(spec.master_port),
+    ]  # fmt: skip
 
 
 def vllm_argv(spec: EngineSpec) -> list[str]:
+    if spec.engine == "sim" and spec.headless:
+        # The simulated engine has no workers: a headless rank only waits to be stopped.
+        return [spec.python, "-m", "hpcserve.engine_launch.sim_engine", "--headless"]
+    if spec.headless:
+        # `vllm serve --headless`: the API server module would ignore --headless (see
+        # vllm_serve.py for why this is not `vllm serve` or `python -m vllm.entrypoints.cli.main`).
+        return [
+            spec.python, "-m", "hpcserve.engine_launch.vllm_serve",
+            spec.model_path,
+            "--served-model-name", spec.served_model_name,
+            *_parallel_args(spec),
+            *spec.extra_args,
+            *_multinode_args(spec),
+            "--headless",
+        ]  # fmt: skip
     if spec.engine == "sim":
         return [
             spec.python, "-m", "hpcserve.engine_launch.sim_engine",
@@ -47,16 +104,16 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
         "--shutdown-timeout",
         str(spec.drain_s),
         "--disable-uvicorn-access-log",
+        *_parallel_args(spec),
+        *spec.extra_args,
+        *_multinode_args(spec),
     ]
-    if spec.tensor_parallel > 1:
-        argv += ["--tensor-parallel-size", str(spec.tensor_parallel)]
-    if spec.pipeline_parallel > 1:
-        argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel)]
-    argv += list(spec.extra_args)
     return argv
 
 
-def vllm_env(spec: EngineSpec, base: Mapping[str, str]) -> dict[str, str]:
+def vllm_env(
+    spec: EngineSpec, base: Mapping[str, str], cpu_count: int | None = None
+) -> dict[str, str]:
     env = dict(base)
     # Weights come from disk; a hub lookup would hang on an offline cluster.
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,9 +122,13 @@ def vllm_env(spec: EngineSpec, base: Mapping[str, str]) -> dict[str, str]:
     if spec.engine == "vllm-cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if spec.tensor_parallel * spec.pipeline_parallel > 1:
-            # Without an explicit binding the CPU build asserts about NUMA nodes.
+            # Without an explicit binding the CPU build asserts about NUMA nodes. One core per
+            # worker of this node; each node rank starts at its own core, so ranks that share
+            # a machine (the local two-node cluster) do not pin their workers to one core.
+            cores = cpu_count or os.cpu_count() or 1
+            first = spec.node_rank * spec.local_world_size
             env.setdefault(
                 "VLLM_CPU_OMP_THREADS_BIND",
-                "|".join(str(i) for i in range(spec.tensor_parallel * spec.pipeline_parallel)),
+                "|".join(str((first + i) % cores) for i in range(spec.local_world_size)),
             )
     return env

@@ -70,7 +70,8 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
         for pool in cfg.pools:
             print(
                 f"pool {pool.name}: model {pool.model} from {pool.model_path}, "
-                f"{pool.replicas} replica(s) x {pool.gpus_per_replica} GPU(s), "
+                f"{pool.replicas} replica(s) x {pool.nodes_per_replica} node(s) x "
+                f"{pool.gpus_per_replica} GPU(s), "
                 f"TP={pool.tensor_parallel} PP={pool.pipeline_parallel}, engine {pool.engine}"
             )
         if cfg.pools and args.show_script:
@@ -95,6 +96,7 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     from hpcserve.engine_launch.engine import EngineOptions, EngineRunner
+    from hpcserve.engine_launch.topology import TopologyError
 
     extra = list(args.engine_args)
     if extra and extra[0] == "--":
@@ -118,8 +120,35 @@ def cmd_engine(args: argparse.Namespace) -> int:
         manifest=args.manifest,
         model_ref=args.model_ref,
         extra_args=tuple(extra),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        head_port=args.head_port,
+        drain_file=args.drain_file,
     )
-    return EngineRunner(options).run()
+    try:
+        runner = EngineRunner(options)
+    except TopologyError as err:
+        print(f"hpcserve engine: {err}", file=sys.stderr)
+        return 2
+    return runner.run()
+
+
+def cmd_free_ports(args: argparse.Namespace) -> int:
+    """N distinct TCP ports free on this host now (for job scripts; another process may
+    still take one before it is used, so scripts let an admin set their own)."""
+    import socket
+
+    sockets = [socket.socket() for _ in range(args.count)]
+    try:
+        for s in sockets:
+            s.bind(("", 0))
+        print(" ".join(str(s.getsockname()[1]) for s in sockets))
+    finally:
+        for s in sockets:
+            s.close()
+    return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -258,8 +287,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default="", help="node-local cache to stage the model into")
     p.add_argument("--manifest", default="", help="digest manifest of the model (JSON)")
     p.add_argument("--model-ref", default="", help="registry name@version of the model")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of this replica (one engine each)")
+    p.add_argument(
+        "--node-rank", type=int, default=-1, help="this node's rank (default: SLURM_NODEID)"
+    )
+    p.add_argument("--master-addr", default="", help="multi-node: the head node's address")
+    p.add_argument("--master-port", type=int, default=0, help="multi-node: torch.distributed")
+    p.add_argument(
+        "--head-port", type=int, default=0, help="multi-node: rank 0's engine, for the others"
+    )
+    p.add_argument("--drain-file", default="", help="drain when this file appears")
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra vLLM arguments")
     p.set_defaults(func=cmd_engine)
+
+    p = sub.add_parser("free-ports", help="print N free TCP ports of this host (job scripts)")
+    p.add_argument("count", type=int, nargs="?", default=1)
+    p.set_defaults(func=cmd_free_ports)
 
     for name, func, text in (
         ("up", cmd_up, "start the whole stack (local demo cluster)"),

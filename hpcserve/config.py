@@ -102,7 +102,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     model_ref: str = ""
     served_model_name: ModelName = ""
     replicas: NonNegInt = 1
-    gpus_per_replica: NonNegInt = 1
+    gpus_per_replica: NonNegInt = 1  # per node of a replica
+    # A replica across several nodes (vLLM's multi-node TP/PP, one `srun` task per node):
+    # slurm_templates/engine-multinode.sbatch instead of engine.sbatch.
+    nodes_per_replica: PosInt = 1
     tensor_parallel: PosInt = 1
     pipeline_parallel: PosInt = 1
     engine: EngineKind = "vllm"
@@ -170,15 +173,41 @@ def humanize_validation_error(err: msgspec.ValidationError, data: object) -> str
     else:
         match = _PATH_RE.match(where)
         path = match.group("path") if match else where
-    message = f"{path or '(top level)'}: {head[0].lower()}{head[1:]}".replace("`", "")
+    detail = f"{head[0].lower()}{head[1:]}".replace("`", "")
+    message = f"{path or '(top level)'}: {detail}"
     value = _value_at(data, path) if path else _MISSING
-    explained = ", got" in message or "unknown field" in message or repr(value) in message
+    # (Look in the detail only: "pools[0]" in the path must not pass for the value 0.)
+    explained = ", got" in detail or "unknown field" in detail or repr(value) in detail
     if value is not _MISSING and not explained:
         message += f", got {value!r}"
     allowed = _CHOICES.get(path.rpartition(".")[2])
     if allowed and "invalid enum value" in message:
         message += f"; allowed: {', '.join(allowed)}"
     return message
+
+
+def _check_parallelism(i: int, pool: PoolConfig) -> None:
+    workers = pool.tensor_parallel * pool.pipeline_parallel
+    nodes = pool.nodes_per_replica
+    gpus = pool.gpus_per_replica * nodes
+    if pool.engine == "vllm" and gpus != workers:
+        # vLLM runs one worker per GPU, the same number on every node of a replica.
+        raise ConfigError(
+            f"pools[{i}].gpus_per_replica: {pool.gpus_per_replica} x nodes_per_replica "
+            f"{nodes} = {gpus} GPU(s), but tensor_parallel x pipeline_parallel = "
+            f"{pool.tensor_parallel} x {pool.pipeline_parallel} = {workers}; engine 'vllm' "
+            "needs them equal (one GPU per worker)"
+        )
+    if pool.engine == "sim" and gpus < workers:
+        raise ConfigError(
+            f"pools[{i}].gpus_per_replica: {pool.gpus_per_replica} x nodes_per_replica "
+            f"{nodes} = {gpus} is fewer than tensor_parallel x pipeline_parallel = {workers}"
+        )
+    if workers % nodes:
+        raise ConfigError(
+            f"pools[{i}].nodes_per_replica: {nodes} does not divide tensor_parallel x "
+            f"pipeline_parallel = {workers} (each node runs the same number of workers)"
+        )
 
 
 def _check_semantics(cfg: PlatformConfig) -> None:
@@ -198,11 +227,12 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 f"pools[{i}].model_ref: {pool.model_ref!r} needs engine.cache_dir, the "
                 "node-local directory the model is staged into"
             )
-        gpus = pool.tensor_parallel * pool.pipeline_parallel
-        if pool.engine != "vllm-cpu" and pool.gpus_per_replica < gpus:
+        _check_parallelism(i, pool)
+        if pool.nodes_per_replica > 1 and cfg.poolmgr.launcher == "local":
             raise ConfigError(
-                f"pools[{i}].gpus_per_replica: {pool.gpus_per_replica} is fewer than "
-                f"tensor_parallel x pipeline_parallel = {gpus}"
+                f"pools[{i}].nodes_per_replica: {pool.nodes_per_replica} needs "
+                "poolmgr.launcher = 'slurm' (the local launcher runs a replica as one local "
+                "process)"
             )
     if cfg.router.heartbeat_s * 2 > cfg.router.lease_s:
         raise ConfigError(

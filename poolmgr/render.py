@@ -1,8 +1,10 @@
-"""Render slurm_templates/engine.sbatch for one replica of a pool (pure).
+"""Render a job script from slurm_templates/ for one replica of a pool (pure).
 
-The template is a script an admin can run by hand. Rendering replaces its
-#SBATCH lines and fills its settings block with shell-quoted exports, so the
-rendered script reads like the template with values written in.
+A replica on one node uses engine.sbatch, a replica across several nodes
+engine-multinode.sbatch (one `srun` task per node). Both are scripts an admin can
+run by hand, and both render the same way: their #SBATCH lines are replaced and
+their settings block filled with shell-quoted assignments, so the rendered script
+reads like the template with values written in.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 TEMPLATE_NAME = "engine.sbatch"
+MULTINODE_TEMPLATE_NAME = "engine-multinode.sbatch"
 _SETTINGS_START = "# @settings"
 _SETTINGS_END = "# @end settings"
 # Values on #SBATCH lines are parsed by sbatch, not by a shell: allow no spaces or quotes there.
@@ -28,7 +31,7 @@ class RenderError(ValueError):
 class JobSpec:
     job_name: str
     comment: str
-    gpus: int
+    gpus: int  # per node
     time_limit_min: int
     drain_s: int
     hpcserve_bin: str
@@ -52,10 +55,15 @@ class JobSpec:
     engine_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     extra_sbatch: tuple[str, ...] = field(default_factory=tuple)
+    nodes: int = 1
+
+    @property
+    def template_name(self) -> str:
+        return TEMPLATE_NAME if self.nodes == 1 else MULTINODE_TEMPLATE_NAME
 
 
-def load_template() -> str:
-    return resources.files("hpcserve.slurm_templates").joinpath(TEMPLATE_NAME).read_text()
+def load_template(name: str = TEMPLATE_NAME) -> str:
+    return resources.files("hpcserve.slurm_templates").joinpath(name).read_text()
 
 
 def _sbatch_line(option: str, value: object) -> str:
@@ -66,11 +74,14 @@ def _sbatch_line(option: str, value: object) -> str:
 
 
 def sbatch_lines(spec: JobSpec) -> list[str]:
+    if spec.nodes < 1:
+        raise RenderError(f"nodes: {spec.nodes}; expected at least 1")
     lines = [
         _sbatch_line("job-name", spec.job_name),
         _sbatch_line("comment", spec.comment),
-        _sbatch_line("nodes", 1),
-        _sbatch_line("ntasks", 1),
+        _sbatch_line("nodes", spec.nodes),
+        # One task: the engine; on several nodes, one per node (srun starts them).
+        _sbatch_line("ntasks", 1) if spec.nodes == 1 else _sbatch_line("ntasks-per-node", 1),
     ]
     if spec.gpus > 0:
         lines.append(_sbatch_line("gres", f"gpu:{spec.gpus}"))
@@ -126,7 +137,7 @@ def settings_lines(spec: JobSpec) -> list[str]:
 
 
 def render(spec: JobSpec, template: str | None = None) -> str:
-    text = template if template is not None else load_template()
+    text = template if template is not None else load_template(spec.template_name)
     out: list[str] = []
     sbatch_done = False
     in_settings = False
@@ -146,5 +157,7 @@ def render(spec: JobSpec, template: str | None = None) -> str:
         if not in_settings:
             out.append(line)
     if not sbatch_done or _SETTINGS_START not in text or _SETTINGS_END not in text:
-        raise RenderError(f"template {TEMPLATE_NAME} lacks #SBATCH lines or the settings markers")
+        raise RenderError(
+            f"template {spec.template_name} lacks #SBATCH lines or the settings markers"
+        )
     return "\n".join(out) + "\n"

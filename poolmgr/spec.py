@@ -90,6 +90,7 @@ def build_job_spec(
         job_name=f"{config.poolmgr.job_name_prefix}-{pool.name}",
         comment=identity.comment(),
         gpus=pool.gpus_per_replica,
+        nodes=pool.nodes_per_replica,
         time_limit_min=config.slurm.time_limit_min,
         drain_s=config.slurm.drain_s,
         hpcserve_bin=hpcserve_executable(),

@@ -26,7 +26,48 @@ POOL = {"name": "chat", "model_path": "/models/llama"}
         ({"pools": [POOL, POOL]}, "pools[1].name: 'chat' is used by an earlier pool"),
         (
             {"pools": [{**POOL, "tensor_parallel": 4, "gpus_per_replica": 2}]},
-            "pools[0].gpus_per_replica: 2 is fewer than tensor_parallel x pipeline_parallel = 4",
+            "pools[0].gpus_per_replica: 2 x nodes_per_replica 1 = 2 GPU(s), but "
+            "tensor_parallel x pipeline_parallel = 4 x 1 = 4; engine 'vllm' needs them equal",
+        ),
+        (
+            {"pools": [{**POOL, "tensor_parallel": 2, "gpus_per_replica": 4}]},
+            "pools[0].gpus_per_replica: 4 x nodes_per_replica 1 = 4 GPU(s), but "
+            "tensor_parallel x pipeline_parallel = 2 x 1 = 2",
+        ),
+        (
+            {
+                "pools": [
+                    {**POOL, "nodes_per_replica": 2, "gpus_per_replica": 4, "tensor_parallel": 4}
+                ]
+            },
+            "pools[0].gpus_per_replica: 4 x nodes_per_replica 2 = 8 GPU(s), but "
+            "tensor_parallel x pipeline_parallel = 4 x 1 = 4",
+        ),
+        (
+            {"pools": [{**POOL, "nodes_per_replica": 0}]},
+            "pools[0].nodes_per_replica: expected `int` >= 1, got 0",
+        ),
+        (
+            {
+                "pools": [
+                    {**POOL, "engine": "vllm-cpu", "nodes_per_replica": 2, "tensor_parallel": 3}
+                ]
+            },
+            "pools[0].nodes_per_replica: 2 does not divide tensor_parallel x pipeline_parallel = 3",
+        ),
+        (
+            {"pools": [{**POOL, "engine": "sim", "tensor_parallel": 2}]},
+            "pools[0].gpus_per_replica: 1 x nodes_per_replica 1 = 1 is fewer than "
+            "tensor_parallel x pipeline_parallel = 2",
+        ),
+        (
+            {
+                "poolmgr": {"launcher": "local"},
+                "pools": [
+                    {**POOL, "engine": "vllm-cpu", "nodes_per_replica": 2, "tensor_parallel": 2}
+                ],
+            },
+            "pools[0].nodes_per_replica: 2 needs poolmgr.launcher = 'slurm'",
         ),
         ({"router": {"lease_s": 3, "heartbeat_s": 2}}, "router.lease_s: 3.0 must be at least"),
         (
@@ -43,9 +84,30 @@ def test_bad_config_names_key_value_and_rule(data, message):
     assert message.replace("`", "") in text
 
 
+@pytest.mark.parametrize(
+    "pool",
+    [
+        {
+            "nodes_per_replica": 2,
+            "gpus_per_replica": 4,
+            "tensor_parallel": 4,
+            "pipeline_parallel": 2,
+        },
+        {"nodes_per_replica": 2, "gpus_per_replica": 1, "pipeline_parallel": 2},
+        {"nodes_per_replica": 2, "engine": "vllm-cpu", "tensor_parallel": 2},
+        {"nodes_per_replica": 2, "engine": "sim", "gpus_per_replica": 1, "tensor_parallel": 2},
+        {"engine": "vllm-cpu", "gpus_per_replica": 0, "tensor_parallel": 2},
+    ],
+)
+def test_multinode_pools_that_fit(pool):
+    cfg = parse_config({"pools": [{**POOL, **pool}]})
+    assert cfg.pools[0].nodes_per_replica == pool.get("nodes_per_replica", 1)
+
+
 def test_defaults_and_model_name():
     cfg = parse_config({"pools": [POOL, {**POOL, "name": "b", "served_model_name": "llama-b"}]})
     assert cfg.pools[0].model == "chat" and cfg.pools[1].model == "llama-b"
+    assert cfg.pools[0].nodes_per_replica == 1
     assert cfg.router.engines_dial() == cfg.router.registry_bind
     assert cfg.pool("b").name == "b"
     with pytest.raises(ConfigError, match="unknown pool 'zz'; pools: chat, b"):

@@ -1,7 +1,9 @@
+import re
+
 import pytest
 
 from hpcserve.engine_launch.load import parse_vllm_load
-from hpcserve.engine_launch.topology import topology_from_env
+from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
 from hpcserve.engine_launch.vllm_args import EngineSpec, vllm_argv, vllm_env
 from hpcserve.router.protocol import ReplicaLoad
 
@@ -67,7 +69,7 @@ def test_vllm_argv_parallel_and_env():
     argv = vllm_argv(spec(tensor_parallel=2, pipeline_parallel=2))
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
-    env = vllm_env(spec(tensor_parallel=2), {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    env = vllm_env(spec(tensor_parallel=2), {"VLLM_CPU_KVCACHE_SPACE": "4"}, cpu_count=8)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"  # the pool's own setting wins
     assert env["HF_HUB_OFFLINE"] == "1"
@@ -94,3 +96,121 @@ def test_topology_from_slurm_env():
     assert topo.in_slurm
     outside = topology_from_env({"SLURM_JOB_ID": "garbage"})
     assert outside.job_id == 0 and not outside.in_slurm
+
+
+MULTINODE = dict(
+    tensor_parallel=2,
+    nnodes=2,
+    master_addr="10.0.0.1",
+    master_port=29500,
+    extra_args=("--dtype", "float32"),
+)
+
+
+def test_vllm_argv_multinode_rank_0_is_the_api_server():
+    assert vllm_argv(spec(**MULTINODE, node_rank=0)) == [
+        "/py", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/m",
+        "--served-model-name", "tiny",
+        "--host", "127.0.0.1",
+        "--port", "8123",
+        "--shutdown-timeout", "30",
+        "--disable-uvicorn-access-log",
+        "--tensor-parallel-size", "2",
+        "--dtype", "float32",
+        "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29500",
+    ]  # fmt: skip
+
+
+def test_vllm_argv_multinode_other_ranks_are_headless_vllm_serve():
+    assert vllm_argv(spec(**MULTINODE, node_rank=1)) == [
+        "/py", "-m", "hpcserve.engine_launch.vllm_serve",
+        "/m",
+        "--served-model-name", "tiny",
+        "--tensor-parallel-size", "2",
+        "--dtype", "float32",
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
+        "--headless",
+    ]  # fmt: skip
+    sim = vllm_argv(spec(**MULTINODE, node_rank=1, engine="sim"))
+    assert sim == ["/py", "-m", "hpcserve.engine_launch.sim_engine", "--headless"]
+    assert "--nnodes" not in vllm_argv(spec(**MULTINODE, engine="sim"))
+
+
+@pytest.mark.parametrize(
+    ("kw", "cpus", "bind"),
+    [
+        (dict(tensor_parallel=2), 8, "0|1"),  # one node: a core per worker
+        (dict(tensor_parallel=2, nnodes=2, node_rank=0), 2, "0"),  # ranks sharing a machine
+        (dict(tensor_parallel=2, nnodes=2, node_rank=1), 2, "1"),  # ... get distinct cores
+        (dict(tensor_parallel=4, pipeline_parallel=2, nnodes=2, node_rank=1), 16, "4|5|6|7"),
+        (dict(tensor_parallel=4, nnodes=2, node_rank=1), 2, "0|1"),  # wraps around
+    ],
+)
+def test_cpu_thread_binding_per_node_rank(kw, cpus, bind):
+    assert vllm_env(spec(**kw), {}, cpu_count=cpus)["VLLM_CPU_OMP_THREADS_BIND"] == bind
+    own = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert vllm_env(spec(**kw), own, cpu_count=cpus)["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
+STEP_ENV = {
+    "SLURM_JOB_ID": "77",
+    "SLURMD_NODENAME": "n2",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_PROCID": "1",
+}
+
+
+def test_node_rank_from_the_srun_task():
+    topo = topology_from_env(STEP_ENV)
+    assert topo.in_step and topo.has_node_rank and topo.task_rank == 1
+    assert replica_node_rank(topo, 2) == 1
+    assert replica_node_rank(topo, 2, explicit=0) == 0  # an explicit rank wins
+    assert (
+        replica_node_rank(
+            topology_from_env(STEP_ENV | {"SLURM_NODEID": "0", "SLURM_PROCID": "0"}), 2
+        )
+        == 0
+    )
+    # One node: always rank 0, in a step or not.
+    assert replica_node_rank(topology_from_env({}), 1) == 0
+    assert replica_node_rank(topo, 1) == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "nnodes", "explicit", "message"),
+    [
+        # the batch shell (no srun step): no rank to read
+        (
+            {
+                k: v
+                for k, v in STEP_ENV.items()
+                if k not in ("SLURM_STEP_NUM_NODES", "SLURM_NODEID", "SLURM_PROCID")
+            },
+            2,
+            -1,
+            "--nnodes 2 needs each node's rank",
+        ),
+        ({}, 2, -1, "run one task per node with srun"),
+        (
+            STEP_ENV | {"SLURM_STEP_NUM_NODES": "1"},
+            2,
+            -1,
+            "--nnodes 2, but this srun step spans 1 node(s)",
+        ),
+        (
+            STEP_ENV | {"SLURM_PROCID": "3"},
+            2,
+            -1,
+            "task 3 runs on node rank 1: a multi-node replica needs exactly one task per node",
+        ),
+        (STEP_ENV, 2, 2, "--node-rank 2: expected 0..1"),
+        (STEP_ENV, 0, -1, "--nnodes 0: expected at least 1"),
+    ],
+)
+def test_node_rank_errors_name_what_is_wrong(env, nnodes, explicit, message):
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        replica_node_rank(topology_from_env(env), nnodes, explicit)
