@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,18 @@ def collect_jobs(config: PlatformConfig) -> list[dict[str, Any]]:
                 "reason": job.state_reason,
                 "started": job.start_time,
                 "time_limit_s": job.time_limit_s,
+                "time_left": _time_left(job.start_time, job.time_limit_s, job.state.value),
             }
         )
     return jobs
+
+
+def _time_left(start: int | None, limit_s: int | None, state: str) -> str:
+    """Until the job's time limit, as "3h05m" (running jobs with a limit only)."""
+    if state != "RUNNING" or not start or not limit_s:
+        return ""
+    left = max(int(start + limit_s - time.time()), 0)
+    return f"{left // 3600}h{left % 3600 // 60:02d}m"
 
 
 def collect_nodes(config: PlatformConfig) -> list[dict[str, Any]]:
@@ -124,7 +134,10 @@ def format_status(status: dict[str, Any]) -> str:
         ["pool", "model", "desired", "jobs", "serving", "admin", "failures", "last_failure"],
     )
     if status["jobs"]:
-        lines += ["", *_table(status["jobs"], ["job_id", "pool", "state", "node", "reason"])]
+        lines += [
+            "",
+            *_table(status["jobs"], ["job_id", "pool", "state", "node", "time_left", "reason"]),
+        ]
     if status["replicas"]:
         lines += [
             "",

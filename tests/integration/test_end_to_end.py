@@ -267,6 +267,8 @@ def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig
     (job,) = [j for j in status["jobs"] if j["pool"] == MODEL]
     (replica,) = [r for r in status["replicas"] if r["pool"] == MODEL]
     assert job["state"] == "RUNNING" and job["node"] in ("n1", "n2")
+    hours, minutes = map(int, job["time_left"].rstrip("m").split("h"))
+    assert hours == 0 and 30 <= minutes <= 59  # a 60 min limit, started minutes ago
     assert replica["job_id"] == job["job_id"] and replica["node"] == job["node"]
     assert {n["node"] for n in status["nodes"]} == {"n1", "n2"}
     assert all(n["gpus"] == "gpu:4" for n in status["nodes"])
