@@ -6,7 +6,13 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from hpcserve.config import PlatformConfig, parse_config
+
+if TYPE_CHECKING:
+    from hpcserve.localslurm import LocalSlurm
+    from hpcserve.router.server import RouterServer
 
 T = TypeVar("T")
 
@@ -55,3 +61,42 @@ def conf_processes(conf: Path) -> list[str]:
         if str(conf.parent) in line or env_entry in environ:
             found.append(f"{pid.name}: {line}")
     return found
+
+
+def cluster_config(
+    cluster: LocalSlurm,
+    router: RouterServer,
+    tmp_path: Path,
+    prefix: str,
+    pool: dict[str, Any],
+    **sections: dict[str, Any],
+) -> PlatformConfig:
+    """A platform config for one pool "p" on the test cluster and router; `sections`
+    override keys of a top-level section (e.g. slurm={"time_limit_min": 2})."""
+    data: dict[str, Any] = {
+        "state_dir": str(tmp_path),
+        "router": {
+            "registry_bind": router.config.registry_bind,
+            "routing_bind": router.config.routing_bind,
+            "lease_s": router.config.lease_s,
+            "heartbeat_s": router.config.heartbeat_s,
+        },
+        "slurm": {
+            "conf": str(cluster.conf_path),
+            "log_dir": str(tmp_path / "jobs"),
+            "partition": "gpu",
+            "time_limit_min": 10,
+            "drain_s": 10,
+        },
+        "poolmgr": {
+            "poll_s": 0.5,
+            "min_submit_interval_s": 0.5,
+            "job_name_prefix": prefix,
+            "handover_lead_s": 0,
+        },
+        "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
+        "pools": [{"name": "p", "replicas": 1, **pool}],
+    }
+    for name, values in sections.items():
+        data[name] = data[name] | values
+    return parse_config(data)

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from hpcserve.config import PlatformConfig, parse_config
+from hpcserve.config import PlatformConfig
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.manager import PoolManager
@@ -32,7 +32,7 @@ from hpcserve.router.client import list_replicas
 from hpcserve.router.protocol import ReplicaInfo
 from hpcserve.router.server import RouterServer
 from hpcserve.tinymodels import make_tiny_model
-from tests.integration.slurm_helpers import wait_for
+from tests.integration.slurm_helpers import cluster_config, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -40,31 +40,13 @@ pytestmark = pytest.mark.slurm
 def make_config(
     cluster: LocalSlurm, router: RouterServer, tmp_path: Path, prefix: str, pool: dict[str, Any]
 ) -> PlatformConfig:
-    return parse_config(
-        {
-            "state_dir": str(tmp_path),
-            "router": {
-                "registry_bind": router.config.registry_bind,
-                "routing_bind": router.config.routing_bind,
-                "lease_s": router.config.lease_s,
-                "heartbeat_s": router.config.heartbeat_s,
-            },
-            "slurm": {
-                "conf": str(cluster.conf_path),
-                "log_dir": str(tmp_path / "jobs"),
-                "partition": "gpu",
-                "time_limit_min": 30,
-                "drain_s": 20,
-            },
-            "poolmgr": {
-                "poll_s": 0.5,
-                "min_submit_interval_s": 0.5,
-                "job_name_prefix": prefix,
-                "handover_lead_s": 0,
-            },
-            "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
-            "pools": [{"name": "p", "replicas": 1, "nodes_per_replica": 2, **pool}],
-        }
+    return cluster_config(
+        cluster,
+        router,
+        tmp_path,
+        prefix,
+        {"nodes_per_replica": 2, **pool},
+        slurm={"time_limit_min": 30, "drain_s": 20},
     )
 
 

@@ -30,7 +30,7 @@ from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
 from hpcserve.poolmgr.state_files import read_status, write_override
 from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
-from tests.integration.slurm_helpers import wait_for
+from tests.integration.slurm_helpers import cluster_config, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -46,42 +46,13 @@ def make_config(
     pool: dict[str, Any],
     **sections: dict[str, Any],
 ) -> PlatformConfig:
-    data: dict[str, Any] = {
-        "state_dir": str(tmp_path),
-        "router": {
-            "registry_bind": router.config.registry_bind,
-            "routing_bind": router.config.routing_bind,
-            "lease_s": router.config.lease_s,
-            "heartbeat_s": router.config.heartbeat_s,
-        },
-        "slurm": {
-            "conf": str(cluster.conf_path),
-            "log_dir": str(tmp_path / "jobs"),
-            "partition": "gpu",
-            "time_limit_min": 10,
-            "drain_s": 10,
-        },
-        "poolmgr": {
-            "poll_s": 0.5,
-            "min_submit_interval_s": 0.5,
-            "job_name_prefix": prefix,
-            "handover_lead_s": 0,
-        },
-        "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
-        "pools": [
-            {
-                "name": "p",
-                "replicas": 1,
-                "model_path": "/nonexistent",
-                "engine": "sim",
-                "engine_args": ["--decode-ms-per-token", "10"],
-                **pool,
-            }
-        ],
+    """A pool of simulated engines (10 ms per token) on the test cluster."""
+    sim = {
+        "model_path": "/nonexistent",
+        "engine": "sim",
+        "engine_args": ["--decode-ms-per-token", "10"],
     }
-    for name, values in sections.items():
-        data[name] = data[name] | values
-    return parse_config(data)
+    return cluster_config(cluster, router, tmp_path, prefix, sim | pool, **sections)
 
 
 def ours(slurm: SlurmCLI, prefix: str) -> list[SlurmJob]:
