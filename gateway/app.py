@@ -64,7 +64,7 @@ class Gateway:
     ) -> None:
         self.config = config
         self.configured_models = configured_models
-        self.keys = KeyRing(config.api_keys)
+        self.keys = KeyRing(config.api_keys, tenants=config.tenants, admin_keys=config.admin_keys)
         self.routing = RoutingClient(routing_endpoint, timeout_s=config.route_timeout_s)
         self.relay = relay or Relay(upstream_timeout_s=config.upstream_timeout_s)
         self.metrics_registry = metrics_registry or CollectorRegistry()

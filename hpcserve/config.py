@@ -51,7 +51,31 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 class ApiKey(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tenant: Name
-    sha256: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+    sha256: Sha256Hex
+
+
+Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+Priority = Literal["interactive", "batch"]
+Overflow = Literal["never", "external"]
+
+
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What one tenant may do. Zero means unlimited for every limit."""
+
+    name: Name
+    # Model names (served names, aliases, adapters) the tenant may call; empty allows all.
+    allowed_models: list[ModelName] = []
+    requests_per_min: NonNegInt = 0
+    # Prompt plus completion tokens, counted from the engines' usage.
+    tokens_per_min: NonNegInt = 0
+    max_concurrent: NonNegInt = 0
+    # Tokens per minute for this tenant's batch jobs (the Batch API), apart from interactive.
+    batch_tokens_per_min: NonNegInt = 0
+    priority: Priority = "interactive"
+    # "external": when no replica can take a request in time, send it to gateway.overflow.
+    overflow: Overflow = "never"
+    # Data must stay on this site's GPUs: never overflowed, whatever `overflow` says.
+    data_resident: bool = False
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -63,6 +87,10 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     route_timeout_s: PosFloat = 2.0
     max_body_bytes: PosInt = 4 * 1024 * 1024
     api_keys: list[ApiKey] = []
+    # sha256 of admin keys (admin endpoints, every tenant's batches and files); never tenant keys.
+    admin_keys: list[Sha256Hex] = []
+    # Tenants named by api_keys; when this list is empty every tenant gets the defaults.
+    tenants: list[TenantConfig] = []
 
 
 class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -234,6 +262,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 "poolmgr.launcher = 'slurm' (the local launcher runs a replica as one local "
                 "process)"
             )
+    _check_tenants(cfg.gateway)
     if cfg.router.heartbeat_s * 2 > cfg.router.lease_s:
         raise ConfigError(
             f"router.lease_s: {cfg.router.lease_s} must be at least twice "
@@ -250,6 +279,35 @@ def _check_semantics(cfg: PlatformConfig) -> None:
     for model in models:
         if models.count(model) > 1:
             raise ConfigError(f"pools: model {model!r} is served by two pools; give each its own")
+
+
+def _check_tenants(gateway: GatewayConfig) -> None:
+    declared: set[str] = set()
+    for i, tenant in enumerate(gateway.tenants):
+        if tenant.name in declared:
+            raise ConfigError(
+                f"gateway.tenants[{i}].name: {tenant.name!r} is used by an earlier tenant"
+            )
+        declared.add(tenant.name)
+        if tenant.data_resident and tenant.overflow != "never":
+            raise ConfigError(
+                f"gateway.tenants[{i}]: {tenant.name!r} is data_resident, so its overflow must "
+                f"be 'never', not {tenant.overflow!r}"
+            )
+    if declared:
+        for i, key in enumerate(gateway.api_keys):
+            if key.tenant not in declared:
+                raise ConfigError(
+                    f"gateway.api_keys[{i}].tenant: {key.tenant!r} is not one of "
+                    f"gateway.tenants ({', '.join(sorted(declared))})"
+                )
+    tenant_digests = {k.sha256 for k in gateway.api_keys}
+    for i, digest in enumerate(gateway.admin_keys):
+        if digest in tenant_digests:
+            raise ConfigError(
+                f"gateway.admin_keys[{i}]: this key is also a tenant key; "
+                "admin keys must be separate"
+            )
 
 
 def parse_config(data: dict[str, object], *, source: str = "config") -> PlatformConfig:
