@@ -22,6 +22,11 @@ lint: bootstrap
 status: bootstrap
 	$(VENV)/bin/hpcserve status --config $(STATE)/hpcserve.toml
 
+# Every benchmark of bench/suite.py, bounded (under 10 minutes on 2 cores), into
+# docs/benchmarks.md and docs/img/.
+bench: bootstrap
+	$(VENV)/bin/python bench/suite.py
+
 bootstrap:
 	@scripts/bootstrap.sh
 

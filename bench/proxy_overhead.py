@@ -1,15 +1,21 @@
-"""What the gateway adds to a request, and aiohttp against httpx as its upstream client.
+"""What the gateway adds to a request, feature by feature, side by side in one run.
 
-Side by side in one run, interleaved, medians of ROUNDS:
-  direct   wrk -> upstream                                   (the floor)
-  aiohttp  wrk -> hpcserve gateway (aiohttp relay) -> upstream (what we ship)
-  httpx    wrk -> hpcserve gateway (httpx relay)   -> upstream (the alternative)
-Each gateway is the real one: API-key check, a real router over ZeroMQ picking the
-replica, the relay, metrics. The upstream is a fixed-response ASGI server standing in
-for vLLM, so the proxy is what is measured; it and wrk share one core, the gateway is
-pinned to the other.
+Targets, interleaved, medians of ROUNDS:
+  direct    wrk -> upstream                                        (the floor)
+  relay     wrk -> Starlette + pooled aiohttp, nothing else -> upstream (a Python proxy's floor)
+  + auth    the hpcserve gateway: key check, body validation, relay (static upstream, no
+            router, metrics off)
+  + quotas  + a tenant with limits: admission, usage counting, the quota sync to the router
+  + routing + the real router over ZeroMQ (Route, Release) instead of a static upstream
+  + metrics + Prometheus metrics
+  + tracing + OpenTelemetry spans (exported to a sink that drops them): everything on
+The upstream is a fixed-response ASGI server standing in for vLLM (a `stream` request gets
+16 SSE chunks), so the proxy is what is measured. Each gateway is pinned to core 0; wrk,
+the upstream and the router share core 1. Per target: p50/p99 at concurrency 1 and N,
+requests/s (the gateway has one core, so this is per core) and the gateway's CPU time per
+request (from /proc, less sensitive to the machine's other load than req/s).
 
-    .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5]
+    .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
 
 Needs wrk (Debian package `wrk`). Prints a markdown table and writes bench/results/.
 """
@@ -22,12 +28,14 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -111,74 +119,125 @@ async def upstream_app(scope, receive, send):  # type: ignore[no-untyped-def]
     await send({"type": "http.response.body", "body": COMPLETION})
 
 
-# -- the httpx relay, for comparison only ------------------------------------------------
+# -- the feature ladder: the same gateway with features switched on one at a time ---------
+
+FEATURES = ("relay", "auth", "quotas", "routing", "metrics", "tracing")
 
 
-def httpx_relay(upstream_timeout_s: float):  # type: ignore[no-untyped-def]
-    import httpx
+class _NullMetric:
+    """Stands in for every metric when metrics are off (bench only)."""
+
+    def labels(self, *args: object) -> _NullMetric:
+        return self
+
+    def inc(self, *args: object) -> None:
+        pass
+
+    dec = observe = set = inc
+
+
+class _NullMetrics:
+    def __getattr__(self, name: str) -> _NullMetric:
+        return _NullMetric()
+
+
+class _StaticRouting:
+    """Every request to one upstream, no router (bench only: the 'routing' rung adds it)."""
+
+    def __init__(self, url: str) -> None:
+        from hpcserve.router import protocol as p
+
+        self.reply = p.RouteReply(0, "static", url)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def route(self, model: str, **kwargs: object):  # type: ignore[no-untyped-def]
+        return self.reply
+
+    def release(self, replica_id: str) -> None:
+        pass
+
+    async def sync_quota(self, gateway_id, usage):  # type: ignore[no-untyped-def]
+        from hpcserve.router import protocol as p
+
+        return p.QuotaTotals(0)
+
+
+def plain_relay_app(upstream: str):  # type: ignore[no-untyped-def]
+    """The floor for a Python proxy: Starlette + one pooled aiohttp session, nothing else."""
+    import aiohttp
+    from starlette.applications import Starlette
     from starlette.background import BackgroundTask
     from starlette.responses import Response, StreamingResponse
+    from starlette.routing import Route
 
-    class HttpxRelay:
-        def __init__(self) -> None:
-            self._client: httpx.AsyncClient | None = None
+    session: dict[str, aiohttp.ClientSession] = {}
 
-        async def start(self) -> None:
-            self._client = httpx.AsyncClient(
-                timeout=upstream_timeout_s, limits=httpx.Limits(max_connections=None)
-            )
+    async def relay(request):  # type: ignore[no-untyped-def]
+        body = await request.body()
+        upstream_response = await session["s"].post(
+            upstream + "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        if b'"stream": true' not in body:
+            payload = await upstream_response.read()
+            upstream_response.release()
+            return Response(payload, upstream_response.status, media_type="application/json")
+        return StreamingResponse(
+            upstream_response.content.iter_any(),
+            media_type="text/event-stream",
+            background=BackgroundTask(upstream_response.release),
+        )
 
-        async def close(self) -> None:
-            assert self._client is not None
-            await self._client.aclose()
+    async def lifespan(app):  # type: ignore[no-untyped-def]
+        session["s"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False
+        )
+        yield
+        await session["s"].close()
 
-        async def forward(self, url, body, request_headers, *, stream, on_done):  # type: ignore[no-untyped-def]
-            assert self._client is not None
-            request = self._client.build_request(
-                "POST", url, content=body, headers={"Content-Type": "application/json"}
-            )
-            upstream = await self._client.send(request, stream=True)
-            if not stream:
-                payload = await upstream.aread()
-                await upstream.aclose()
-                on_done()
-                return Response(
-                    payload,
-                    status_code=upstream.status_code,
-                    media_type=upstream.headers.get("content-type"),
-                )
-
-            async def chunks():  # type: ignore[no-untyped-def]
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-                await upstream.aclose()
-
-            return StreamingResponse(
-                chunks(),
-                status_code=upstream.status_code,
-                media_type="text/event-stream",
-                background=BackgroundTask(on_done),
-            )
-
-    return HttpxRelay()
+    return Starlette(
+        routes=[Route("/v1/chat/completions", relay, methods=["POST"])], lifespan=lifespan
+    )
 
 
-def serve_gateway(config_path: str, client: str) -> None:
+def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
     import uvicorn
 
     from hpcserve.config import load_config
-    from hpcserve.gateway.app import Gateway, build_app
 
     config = load_config(Path(config_path))
-    relay = httpx_relay(config.gateway.upstream_timeout_s) if client == "httpx" else None
-    gateway = Gateway(
-        config.gateway,
-        routing_endpoint=config.router.gateways_dial(),
-        configured_models={MODEL},
-        relay=relay,
-    )
+    if feature == "relay":
+        app = plain_relay_app(upstream)
+    else:
+        from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+        from hpcserve.gateway.app import Gateway, build_app
+        from hpcserve.gateway.tracing import Tracing
+
+        class DropSpans(SpanExporter):
+            def export(self, spans):  # type: ignore[no-untyped-def]
+                return SpanExportResult.SUCCESS
+
+        rung = FEATURES.index(feature)
+        gateway = Gateway(
+            config.gateway,
+            routing_endpoint=config.router.gateways_dial(),
+            configured_models={MODEL},
+            tracing=Tracing(exporter=DropSpans()) if rung >= FEATURES.index("tracing") else None,
+        )
+        if rung < FEATURES.index("routing"):
+            gateway.routing = _StaticRouting(upstream)  # type: ignore[assignment]
+        if rung < FEATURES.index("metrics"):
+            gateway.metrics = _NullMetrics()  # type: ignore[assignment]
+        app = build_app(gateway)
     uvicorn.run(
-        build_app(gateway),
+        app,
         host="127.0.0.1",
         port=config.gateway.port,
         loop="uvloop",
@@ -197,6 +256,8 @@ def wait_http(url: str, timeout_s: float = 30) -> None:
         try:
             urllib.request.urlopen(url, timeout=1).close()
             return
+        except urllib.error.HTTPError:
+            return  # it answered
         except Exception:
             time.sleep(0.2)
     raise RuntimeError(f"{url} did not come up")
@@ -211,38 +272,40 @@ def run_wrk(url: str, body_file: Path, connections: int, seconds: int) -> dict[s
         f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
     )
     out = subprocess.run(
-        [
-            "taskset",
-            "-c",
-            "1",
-            "wrk",
-            "-t1",
-            f"-c{connections}",
-            f"-d{seconds}s",
-            "--latency",
-            "-s",
-            str(lua),
-            url,
-        ],
+        ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
+         "-s", str(lua), url],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout
+    ).stdout  # fmt: skip
     if "Non-2xx" in out:
         raise RuntimeError(f"wrk saw errors:\n{out}")
-    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
+
+    def latency_ms(pct: str) -> float:
+        found = re.search(rf"{pct}%\s+([\d.]+)(us|ms|s)", out)
+        assert found, out
+        return float(found.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[found.group(2)]
+
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    assert p50 and rps, out
-    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)]
-    return {"p50_ms": float(p50.group(1)) * scale, "rps": float(rps.group(1))}
+    assert rps, out
+    return {"p50_ms": latency_ms("50"), "p99_ms": latency_ms("99"), "rps": float(rps.group(1))}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument(
-        "--serve-gateway", nargs=2, metavar=("CONFIG", "CLIENT"), help=argparse.SUPPRESS
+        "--serve-gateway",
+        nargs=3,
+        metavar=("CONFIG", "FEATURE", "UPSTREAM"),
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
     if args.serve_gateway:
@@ -251,82 +314,66 @@ def main() -> None:
     if not shutil.which("wrk"):
         sys.exit("wrk is needed: apt-get install wrk")
 
+    # A SIGTERM (e.g. from `timeout`) still stops the processes this started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     work = Path(tempfile.mkdtemp(prefix="hpcserve-bench-"))
     procs: list[subprocess.Popen[bytes]] = []
     upstream_port = free_port()
     py = sys.executable
 
-    def spawn(argv: list[str], core: str) -> None:
-        procs.append(
-            subprocess.Popen(
-                ["taskset", "-c", core, *argv],
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+    def spawn(argv: list[str], core: str) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(
+            ["taskset", "-c", core, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        procs.append(proc)
+        return proc
 
+    results: dict[str, dict[str, list[dict[str, float]]]] = {}
     try:
-        spawn(
-            [
-                py,
-                "-m",
-                "uvicorn",
-                "bench.proxy_overhead:upstream_app",
-                "--port",
-                str(upstream_port),
-                "--loop",
-                "uvloop",
-                "--http",
-                "httptools",
-                "--no-access-log",
-                "--log-level",
-                "warning",
-            ],
-            "1",
-        )
-        gateways = {}
+        spawn([py, "-m", "uvicorn", "bench.proxy_overhead:upstream_app", "--port",
+               str(upstream_port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
+               "--log-level", "warning"], "1")  # fmt: skip
+        upstream = f"http://127.0.0.1:{upstream_port}"
         router_cfg = {
             "registry_bind": f"tcp://127.0.0.1:{free_port()}",
             "routing_bind": f"tcp://127.0.0.1:{free_port()}",
             "metrics_port": 0,
         }
-        config = parse_config(
-            {
-                "router": router_cfg,
-                "gateway": {"api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}]},
-            }
-        )
+        keys = [{"tenant": "bench", "sha256": hash_api_key(KEY)}]
+        config = parse_config({"router": router_cfg, "gateway": {"api_keys": keys}})
         (work / "router.toml").write_text(dump_config(config))
         spawn([py, "-m", "hpcserve.cli", "router", "--config", str(work / "router.toml")], "1")
-        for client in ("aiohttp", "httpx"):
+        gateways: dict[str, tuple[str, int]] = {}
+        for feature in FEATURES:
             port = free_port()
+            limits = (
+                {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
+                if FEATURES.index(feature) >= FEATURES.index("quotas")
+                else {}
+            )
             cfg = parse_config(
                 {
                     "router": router_cfg,
                     "gateway": {
                         "port": port,
-                        "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}],
+                        "api_keys": keys,
+                        "tenants": [{"name": "bench", **limits}],
                     },
                 }
             )
-            path = work / f"gateway-{client}.toml"
+            path = work / f"gateway-{feature}.toml"
             path.write_text(dump_config(cfg))
-            spawn(
-                [
-                    py,
-                    str(ROOT / "bench" / "proxy_overhead.py"),
-                    "--serve-gateway",
-                    str(path),
-                    client,
-                ],
+            proc = spawn(
+                [py, str(ROOT / "bench" / "proxy_overhead.py"), "--serve-gateway", str(path),
+                 feature, upstream],
                 "0",
-            )
-            gateways[client] = f"http://127.0.0.1:{port}"
-        upstream = f"http://127.0.0.1:{upstream_port}"
+            )  # fmt: skip
+            gateways[feature] = (f"http://127.0.0.1:{port}", proc.pid)
         wait_http(upstream + "/")
-        for url in gateways.values():
-            wait_http(url + "/health")
+        for feature, (url, _) in gateways.items():
+            # The plain relay has no /health: any answer (a 404) means it is up.
+            wait_http(url + ("/v1/models" if feature == "relay" else "/health"))
 
         agent = RegistryAgent(
             router_cfg["registry_bind"], p.Register("bench-replica", MODEL, upstream)
@@ -346,18 +393,22 @@ def main() -> None:
         bodies = {"chat": work / "chat.json", "stream": work / "stream.json"}
         bodies["chat"].write_bytes(CHAT_BODY)
         bodies["stream"].write_bytes(CHAT_BODY[:-1] + b', "stream": true}')
-        targets = {"direct": upstream, **gateways}
-        cases = [("chat", 1), ("chat", 32), ("stream", 1), ("stream", 32)]
-        results: dict[str, dict[str, list[dict[str, float]]]] = {}
+        targets = {"direct": (upstream, 0), **gateways}
+        many = args.concurrency
+        cases = [("chat", 1), ("chat", many), ("stream", 1), ("stream", many)]
         for round_no in range(args.rounds):
             for case, conns in cases:
-                for name, base in targets.items():
+                for name, (base, pid) in targets.items():
                     key = f"{case} c={conns}"
+                    cpu_before = cpu_seconds(pid) if pid else 0.0
                     r = run_wrk(base + "/v1/chat/completions", bodies[case], conns, args.seconds)
+                    if pid and r["rps"] > 0:
+                        used = cpu_seconds(pid) - cpu_before
+                        r["cpu_us"] = used / (r["rps"] * args.seconds) * 1e6
                     results.setdefault(key, {}).setdefault(name, []).append(r)
                     print(
                         f"round {round_no + 1} {key:12s} {name:8s} p50 {r['p50_ms']:7.2f} ms"
-                        f"  {r['rps']:8.0f} req/s",
+                        f"  p99 {r['p99_ms']:7.2f} ms {r['rps']:8.0f} req/s",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -371,20 +422,27 @@ def main() -> None:
             proc.wait(10)
 
     rows = []
-    print("\n| case | target | p50 latency | added p50 vs direct | req/s | req/s vs aiohttp |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| case | target | p50 | added p50 | p99 | req/s (gateway on 1 core) "
+        "| gateway CPU per request |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for key, by_target in results.items():
         med = {
-            name: {m: statistics.median(r[m] for r in runs) for m in ("p50_ms", "rps")}
+            name: {
+                m: statistics.median(r[m] for r in runs)
+                for m in ("p50_ms", "p99_ms", "rps", "cpu_us")
+                if all(m in r for r in runs)
+            }
             for name, runs in by_target.items()
         }
         for name, m in med.items():
             added = m["p50_ms"] - med["direct"]["p50_ms"]
-            ratio = m["rps"] / med["aiohttp"]["rps"]
+            cpu = f"{m['cpu_us']:.0f} us" if "cpu_us" in m else "-"
             print(
-                f"| {key} | {name} | {m['p50_ms']:.2f} ms | "
-                f"{'-' if name == 'direct' else f'+{added:.2f} ms'} | {m['rps']:.0f} | "
-                f"{ratio:.2f}x |"
+                f"| {key} | {name if name in ('direct', 'relay') else '+ ' + name} | "
+                f"{m['p50_ms']:.2f} ms | {'-' if name == 'direct' else f'+{added:.2f} ms'} | "
+                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} |"
             )
             rows.append({"case": key, "target": name, **m})
     out_dir = ROOT / "bench" / "results"

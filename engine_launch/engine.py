@@ -19,6 +19,7 @@ uses, since Slurm's signals to a step reach every process of it, vLLM's included
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -33,13 +34,25 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.engine_launch.lifeline import HeadLink, WorkerLink
 from hpcserve.engine_launch.load import parse_vllm_load
+from hpcserve.engine_launch.lora import RuntimeAdapters, read_plan, stage_adapter
 from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
-from hpcserve.engine_launch.vllm_args import EngineSpec, vllm_argv, vllm_env
+from hpcserve.engine_launch.vllm_args import (
+    EngineSpec,
+    block_size,
+    kv_events_args,
+    vllm_argv,
+    vllm_env,
+)
+from hpcserve.ports import free_port
 from hpcserve.router import protocol as p
+
+if TYPE_CHECKING:
+    from hpcserve.health.replica import EngineHealth
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +88,10 @@ class EngineOptions:
     drain_file: str = ""
     # How long a rank > 0 tries to reach rank 0's engine, which starts at the same time.
     head_connect_timeout_s: float = 120.0
+    # LoRA on: the pool's plan (engine_launch/lora.py), written by the pool manager.
+    lora_plan: str = ""
+    # CURVE keys for the registry socket (router/curve.py); empty: plain.
+    curve_dir: str = ""
 
 
 class EngineFailed(RuntimeError):
@@ -91,10 +108,25 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host if host != "0.0.0.0" else "", 0))
-        return int(s.getsockname()[1])
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (read from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
 
 
 def _http_get(url: str, timeout_s: float) -> tuple[int, str]:
@@ -107,8 +139,11 @@ def _http_get(url: str, timeout_s: float) -> tuple[int, str]:
 
 class EngineRunner:
     def __init__(self, options: EngineOptions) -> None:
-        self.options = options
         self.topology = topology_from_env(os.environ)
+        if "{node}" in options.cache_dir:  # one cache per node where nodes share a disk (tests)
+            node = self.topology.node or socket.gethostname()
+            options = replace(options, cache_dir=options.cache_dir.replace("{node}", node))
+        self.options = options
         self.node_rank = replica_node_rank(self.topology, options.nnodes, options.node_rank)
         if options.nnodes > 1 and not (
             options.master_addr and options.master_port and options.head_port
@@ -138,16 +173,29 @@ class EngineRunner:
             master_addr=options.master_addr,
             master_port=options.master_port,
         )
+        self.advertise_host = advertise
+        if options.engine in ("vllm", "vllm-cpu", "sim") and self.node_rank == 0:
+            # KV-cache events for the router's prefix index (router/kv_subscriber.py).
+            self.spec = replace(
+                self.spec,
+                kv_events_port=free_port(options.bind_host),
+                kv_replay_port=free_port(options.bind_host),
+            )
         job = self.topology.job_id
         self.replica_id = (
             f"{options.pool or options.served_model_name}-"
             + (f"j{job}" if job else f"{socket.gethostname()}-{os.getpid()}")
             + f"-{uuid.uuid4().hex[:6]}"
         )
+        if self.spec.kv_events_port:
+            self.spec = replace(self.spec, kv_events_topic=self.replica_id)
         self._stop = threading.Event()
         self._stop_reason = ""
         self._rank_lost = ""
         self.process: subprocess.Popen[bytes] | None = None
+        self.lora: RuntimeAdapters | None = None
+        self.health: EngineHealth | None = None
+        self._gave_up = ""  # the health monitor gave up on this engine: stop vLLM hard
 
     def request_stop(self, reason: str) -> None:
         if not self._stop.is_set():
@@ -268,27 +316,92 @@ class EngineRunner:
             node=self.topology.node,
             tensor_parallel=self.options.tensor_parallel,
             pipeline_parallel=self.options.pipeline_parallel,
+            **self._kv_events_registration(),
+            adapters=[name for name, _ in self.spec.lora_modules],
+            max_adapters=self.spec.max_loras,
+            base_model=self.options.model_ref.partition("@")[0] or self.options.served_model_name,
+            cached=self.node_cache_keys(),
+            model_ref=self.options.model_ref,
         )
+
+    def node_cache_keys(self) -> list[str]:
+        """The entries of this node's model cache (for placement; empty without a cache)."""
+        if not self.options.cache_dir or not os.path.isdir(self.options.cache_dir):
+            return []
+        from hpcserve.modelcache.cache import NodeCache
+
+        try:
+            return NodeCache(Path(self.options.cache_dir), check_local=False).entry_keys()
+        except OSError as err:
+            log.warning("cannot list the node cache %s: %s", self.options.cache_dir, err)
+            return []
+
+    def _kv_events_registration(self) -> dict[str, Any]:
+        spec, host = self.spec, self.advertise_host
+        if not kv_events_args(spec):
+            return {"block_size": block_size(spec)}
+        return {
+            "block_size": block_size(spec),
+            "kv_events_endpoint": f"tcp://{host}:{spec.kv_events_port}",
+            "kv_replay_endpoint": f"tcp://{host}:{spec.kv_replay_port}",
+            "kv_events_topic": spec.kv_events_topic,
+        }
 
     def serve(self, agent: RegistryAgent) -> None:
         """Heartbeat until asked to stop or vLLM dies."""
         assert self.process is not None
+        # Now that the model and adapters are staged: the static adapters, the cache's entries.
+        agent.registration = self.registration()
+        if self.spec.max_loras > 0:
+            self.lora = RuntimeAdapters(
+                self.local_url, self.options.cache_dir, list(agent.registration.adapters)
+            )
+            agent.on_load_adapter = self.lora.submit
         agent.register()
+        self.health = self._start_health(agent)
         last_load = p.ReplicaLoad()
         while not self._stop.is_set():
             code = self.process.poll()
             if code is not None:
                 raise EngineFailed(f"vLLM exited with code {code} while serving")
             last_load = self.read_load() or last_load
-            agent.heartbeat(last_load)
+            if self.health is None or self.health.in_service:
+                agent.heartbeat(last_load, self.lora.loaded if self.lora else None)
             deadline = time.monotonic() + self.options.heartbeat_s
             while not self._stop.is_set() and time.monotonic() < deadline:
                 agent.process_replies(min(0.2, max(deadline - time.monotonic(), 0)))
+                if self.health is not None:
+                    self.health.step()
+                for answer in self.lora.answers() if self.lora else ():
+                    agent.send(answer)
+
+    def _start_health(self, agent: RegistryAgent) -> EngineHealth | None:
+        from hpcserve.health.replica import EngineHealth
+
+        return EngineHealth.start(
+            agent,
+            agent.registration,
+            engine=self.options.engine,
+            engine_url=self.local_url,
+            on_drain=self.request_stop,
+            on_give_up=self._give_up,
+        )
+
+    def _give_up(self, reason: str) -> None:
+        self._gave_up = f"health: {reason}"
+        self.request_stop(self._gave_up)
 
     def stop_vllm(self) -> int:
         proc = self.process
         if proc is None or proc.poll() is not None:
             return proc.returncode if proc is not None else 0
+        if self._gave_up:
+            # A stopped or hung engine core cannot drain: kill vLLM and its children.
+            log.warning("killing vLLM (pid %d) and its children: %s", proc.pid, self._gave_up)
+            for pid in [*_descendants(proc.pid), proc.pid]:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            return proc.wait()
         log.info("stopping vLLM (pid %d): draining up to %ds", proc.pid, self.options.drain_s)
         proc.send_signal(signal.SIGTERM)
         try:
@@ -308,6 +421,30 @@ class EngineRunner:
             )
         if self.options.manifest:
             self.stage_model()
+        if self.options.lora_plan:
+            self.stage_static_adapters()
+
+    def stage_static_adapters(self) -> None:
+        """Turn LoRA on as the pool's plan says; stage its static adapters (--lora-modules)."""
+        from hpcserve.modelcache.errors import CacheError
+
+        if not self.options.cache_dir:
+            raise EngineFailed("--lora-plan needs --cache-dir (engine.cache_dir in the config)")
+        try:
+            plan = read_plan(self.options.lora_plan)
+            cache = self.options.cache_dir
+            modules = tuple(
+                (a.name, str(stage_adapter(a.name, a.source, a.manifest.encode(), cache)))
+                for a in plan.adapters
+            )
+        except (CacheError, OSError, ValueError) as err:
+            raise EngineFailed(f"cannot stage the LoRA adapters: {err}") from None
+        self.spec = replace(
+            self.spec,
+            max_loras=plan.max_loras,
+            max_lora_rank=plan.max_lora_rank,
+            lora_modules=modules,
+        )
 
     def run(self) -> int:
         self.install_signal_handlers()
@@ -316,7 +453,9 @@ class EngineRunner:
         head_link: HeadLink | None = None
         if self.options.drain_file:
             self.watch_drain_file(self.options.drain_file)
-        agent = RegistryAgent(self.options.router, self.registration())
+        agent = RegistryAgent(
+            self.options.router, self.registration(), curve_dir=self.options.curve_dir
+        )
         failure: EngineFailed | None = None
         try:
             if self.options.nnodes > 1:
@@ -341,12 +480,16 @@ class EngineRunner:
                 self.serve(agent)
             if self._rank_lost:
                 raise EngineFailed(self._rank_lost)
+            if self._gave_up:
+                raise EngineFailed(self._gave_up)
         except EngineFailed as err:
             failure = err
             log.error("engine failed: %s", err)
         finally:
             agent.deregister(self._stop_reason or (str(failure) if failure else "stopping"))
             agent.close()
+            if self.health is not None:
+                self.health.stop()
             code = self.stop_vllm()
             log.info("engine stopped (vLLM exit code %s)", code)
             if head_link is not None:

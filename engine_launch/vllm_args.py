@@ -9,6 +9,7 @@ server (and the workers of its node), every other rank runs `vllm serve --headle
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,16 @@ class EngineSpec:
     node_rank: int = 0
     master_addr: str = ""
     master_port: int = 0
+    # KV-cache events for the router (0: off): vLLM binds its ZMQ publisher and replay
+    # socket on these ports of every interface.
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+    # The router tells replicas' events apart by topic: the engine sets its replica id.
+    kv_events_topic: str = "kv-events"
+    # LoRA: on when max_loras > 0; lora_modules are (name, directory) loaded at start.
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     @property
     def headless(self) -> bool:
@@ -62,6 +73,57 @@ def _multinode_args(spec: EngineSpec) -> list[str]:
     ]  # fmt: skip
 
 
+# vLLM's block size when --block-size is not given: 128 on the CPU build, 16 on GPUs
+# (and in the simulator, which models a GPU).
+DEFAULT_BLOCK_SIZE = {"vllm-cpu": 128, "vllm": 16, "sim": 16}
+
+
+def engine_block_size(engine: str, extra_args: Sequence[str]) -> int:
+    """The KV block size the engine will use (0 when unknown)."""
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        if arg == "--block-size" and i + 1 < len(args) and args[i + 1].isdigit():
+            return int(args[i + 1])
+        if arg.startswith("--block-size=") and arg.partition("=")[2].isdigit():
+            return int(arg.partition("=")[2])
+    return DEFAULT_BLOCK_SIZE.get(engine, 0)
+
+
+def block_size(spec: EngineSpec) -> int:
+    return engine_block_size(spec.engine, spec.extra_args)
+
+
+def kv_events_args(spec: EngineSpec) -> list[str]:
+    """`--kv-events-config` (ZMQ publisher and replay socket); none when off or when the
+    engine arguments already configure events."""
+    if not spec.kv_events_port or any(a.startswith("--kv-events-config") for a in spec.extra_args):
+        return []
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        # With "*" vLLM binds (without it, it would connect); the router subscribes.
+        "endpoint": f"tcp://*:{spec.kv_events_port}",
+        "replay_endpoint": f"tcp://*:{spec.kv_replay_port}" if spec.kv_replay_port else None,
+        "topic": spec.kv_events_topic,
+    }
+    # Prefix caching is on by default for generative models; forcing it with
+    # --enable-prefix-caching breaks encoder-only pooling models (BERT), so it is not passed.
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def lora_args(spec: EngineSpec) -> list[str]:
+    if spec.max_loras <= 0:
+        return []
+    argv = [
+        "--enable-lora",
+        "--max-loras", str(spec.max_loras),
+        "--max-lora-rank", str(spec.max_lora_rank),
+    ]  # fmt: skip
+    if spec.lora_modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in spec.lora_modules)]
+    return argv
+
+
 def vllm_argv(spec: EngineSpec) -> list[str]:
     if spec.engine == "sim" and spec.headless:
         # The simulated engine has no workers: a headless rank only waits to be stopped.
@@ -81,10 +143,13 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
     if spec.engine == "sim":
         return [
             spec.python, "-m", "hpcserve.engine_launch.sim_engine",
+            # The simulator reads the tokenizer and config.json there, when it exists.
+            "--model", spec.model_path,
             "--served-model-name", spec.served_model_name,
             "--host", spec.bind_host,
             "--port", str(spec.port),
             "--shutdown-timeout", str(spec.drain_s),
+            *kv_events_args(spec),
             *spec.extra_args,
         ]  # fmt: skip
     # The module form: the CPU build's `vllm` console script fails (its dist is named vllm-cpu).
@@ -105,6 +170,8 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
         str(spec.drain_s),
         "--disable-uvicorn-access-log",
         *_parallel_args(spec),
+        *kv_events_args(spec),
+        *lora_args(spec),
         *spec.extra_args,
         *_multinode_args(spec),
     ]
@@ -119,6 +186,9 @@ def vllm_env(
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
+    if spec.max_loras > 0:
+        # The router loads and unloads adapters at run time (router/adapters.py).
+        env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     if spec.engine == "vllm-cpu":
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if spec.tensor_parallel * spec.pipeline_parallel > 1:

@@ -41,6 +41,9 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._by_digest)
 
+    def tenants(self) -> list[Tenant]:
+        return list({t.name: t for t in self._by_digest.values()}.values())
+
     def tenant_for(self, authorization: str | None) -> Tenant:
         """The tenant of a request's Authorization header; raises a 401 APIError otherwise."""
         if not authorization:

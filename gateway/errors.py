@@ -51,6 +51,16 @@ def model_not_found(model: str) -> APIError:
     )
 
 
+def model_not_allowed(tenant: str, model: str) -> APIError:
+    return APIError(
+        403,
+        f"Tenant '{tenant}' may not use the model '{model}' (see its allowed_models)",
+        type="permission_error",
+        param="model",
+        code="model_not_allowed",
+    )
+
+
 def no_replica(model: str, retry_after_s: int = 5) -> APIError:
     return APIError(
         503,

@@ -2,19 +2,27 @@
 
 One pooled aiohttp session per gateway process (httpx measured ~20x slower as a
 proxy client here, see docs/benchmarks.md). The request body is forwarded as the
-bytes the client sent; nothing is re-encoded on the hot path.
+bytes the client sent; nothing is re-encoded on the hot path. The relay reports
+what happened to an `Exchange` (first byte, usage, done): done exactly once for
+every response it returns; when it raises, nothing was reported.
+
+A stream that fails after its first byte ends with an OpenAI-style error event
+(`data: {"error": ...}`), which the openai SDK raises as an APIError, never a hang.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 
 import aiohttp
+import msgspec
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from hpcserve.gateway.errors import upstream_timeout, upstream_unreachable
+from hpcserve.gateway.errors import APIError, upstream_timeout, upstream_unreachable
 
 _HOP_BY_HOP = {
     "content-length",
@@ -23,7 +31,44 @@ _HOP_BY_HOP = {
     "keep-alive",
     "content-encoding",
 }
-_FORWARDED_REQUEST_HEADERS = ("traceparent", "tracestate", "x-request-id")
+FORWARDED_REQUEST_HEADERS = ("traceparent", "tracestate", "x-request-id")
+# An engine answering these before any byte of its answer is retried on another replica.
+RETRYABLE_STATUSES = frozenset({502, 503})
+
+
+class Exchange(Protocol):
+    def first_byte(self) -> None: ...
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None: ...
+    def done(self, status: int) -> None: ...
+
+
+class UpstreamFailed(APIError):
+    """The engine failed before the first byte of its answer: safe to try another."""
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _WithUsage(msgspec.Struct):
+    usage: Usage | None = None
+
+
+class _StreamEvent(msgspec.Struct):
+    choices: list[msgspec.Raw] = []
+    usage: Usage | None = None
+
+
+_usage_decoder = msgspec.json.Decoder(_WithUsage)
+_event_decoder = msgspec.json.Decoder(_StreamEvent)
+
+
+def _report_usage(exchange: Exchange, usage: Usage) -> None:
+    completion = usage.completion_tokens
+    prompt = usage.prompt_tokens or (usage.total_tokens - completion)
+    exchange.usage(prompt, completion)
 
 
 class Relay:
@@ -51,25 +96,23 @@ class Relay:
         self,
         url: str,
         body: bytes,
-        request_headers: dict[str, str],
+        headers: Mapping[str, str],
         *,
         stream: bool,
-        on_done: Callable[[], None],
+        exchange: Exchange,
+        strip_usage: bool = False,
     ) -> Response:
-        """POST body to url; on_done runs once, when the answer is fully relayed or failed."""
+        """POST body to url with headers. strip_usage: drop the stream's usage-only event."""
         assert self._session is not None, "Relay.start() was not awaited"
-        headers = {"Content-Type": "application/json"}
-        for name in _FORWARDED_REQUEST_HEADERS:
-            if name in request_headers:
-                headers[name] = request_headers[name]
         try:
             upstream = await self._session.post(url, data=body, headers=headers)
         except TimeoutError:
-            on_done()
             raise upstream_timeout("gateway.upstream_timeout_s", self.upstream_timeout_s) from None
         except aiohttp.ClientError as err:
-            on_done()
-            raise upstream_unreachable(f"{url}: {err}") from None
+            raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
+        if upstream.status in RETRYABLE_STATUSES:
+            upstream.release()
+            raise UpstreamFailed(**_unreachable(f"{url} answered {upstream.status}"))
         response_headers = {
             k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
         }
@@ -77,50 +120,153 @@ class Relay:
             try:
                 payload = await upstream.read()
             except TimeoutError:
+                upstream.release()
                 raise upstream_timeout(
                     "gateway.upstream_timeout_s", self.upstream_timeout_s
                 ) from None
             except aiohttp.ClientError as err:
-                raise upstream_unreachable(f"{url}: {err}") from None
-            finally:
                 upstream.release()
-                on_done()
+                raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
+            upstream.release()
+            exchange.first_byte()
+            if upstream.status == 200:
+                try:
+                    found = _usage_decoder.decode(payload).usage
+                except msgspec.DecodeError:
+                    found = None
+                if found is not None:
+                    _report_usage(exchange, found)
+            elif upstream.status >= 400:
+                payload = openai_error_body(upstream.status, payload)
+                response_headers["Content-Type"] = "application/json"
+            exchange.done(upstream.status)
             return Response(payload, status_code=upstream.status, headers=response_headers)
         _set_nodelay(upstream)
-        done_once = _Once(on_done)
+        finish = _Once(exchange)
         return StreamingResponse(
-            _relay_chunks(upstream, done_once),
+            _relay_chunks(upstream, exchange, finish, strip_usage),
             status_code=upstream.status,
             headers=response_headers,
             # Also after a disconnect before the first chunk, when the generator never ran.
-            background=BackgroundTask(done_once),
+            background=BackgroundTask(finish, 499),
         )
 
 
-class _Once:
-    def __init__(self, func: Callable[[], None]) -> None:
-        self._func: Callable[[], None] | None = func
+class _ErrorBody(msgspec.Struct):
+    error: dict[str, object] | None = None
+    message: str | None = None  # vLLM's older flat shape: {"object": "error", "message", ...}
+    type: str | None = None
+    param: str | None = None
+    code: int | str | None = None
 
-    def __call__(self) -> None:
-        func, self._func = self._func, None
-        if func is not None:
-            func()
+
+_error_decoder = msgspec.json.Decoder(_ErrorBody)
+
+
+def openai_error_body(status: int, payload: bytes) -> bytes:
+    """An engine's error as OpenAI's {"error": {...}}, whatever shape (or none) it came in."""
+    try:
+        body = _error_decoder.decode(payload)
+    except msgspec.DecodeError:
+        body = None
+    if body is not None and body.error is not None:
+        return payload
+    if body is not None and body.message:
+        error = {"message": body.message, "type": body.type, "param": body.param}
+        error["code"] = body.code
+    else:
+        text = payload.decode("utf-8", "replace").strip()[:500] or "no detail"
+        error = {
+            "message": f"The engine answered {status}: {text}",
+            "type": "invalid_request_error" if status < 500 else "upstream_error",
+            "param": None,
+            "code": status,
+        }
+    return msgspec.json.encode({"error": error})
+
+
+def _unreachable(detail: str) -> dict[str, object]:
+    err = upstream_unreachable(detail)
+    return {"status": err.status, "message": err.message, "type": err.type, "code": err.code}
+
+
+class _Once:
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange: Exchange | None = exchange
+
+    def __call__(self, status: int) -> None:
+        exchange, self._exchange = self._exchange, None
+        if exchange is not None:
+            exchange.done(status)
+
+
+def error_event(message: str, *, type: str, code: str) -> bytes:
+    payload = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def _events_with_usage(block: bytes, exchange: Exchange, strip: bool) -> bytes:
+    """Report the usage in a block of whole SSE events; drop usage-only events if strip."""
+    kept = []
+    for event in block.split(b"\n\n"):
+        if b'"usage"' in event and event.startswith(b"data: {"):
+            try:
+                parsed = _event_decoder.decode(event[6:])
+            except msgspec.DecodeError:
+                parsed = None
+            if parsed is not None and parsed.usage is not None:
+                _report_usage(exchange, parsed.usage)
+                if strip and not parsed.choices:
+                    continue
+        kept.append(event)
+    return b"\n\n".join(kept)
 
 
 async def _relay_chunks(
-    upstream: aiohttp.ClientResponse, on_done: Callable[[], None]
+    upstream: aiohttp.ClientResponse, exchange: Exchange, finish: _Once, strip_usage: bool
 ) -> AsyncIterator[bytes]:
     # Closing the upstream response when the client goes away (this generator is
     # cancelled or closed) drops the engine connection, and vLLM aborts the request.
+    status = 200
+    pending = b""  # an event not yet complete
+    first = True
     try:
         async for chunk in upstream.content.iter_any():
-            yield chunk
-    except (TimeoutError, aiohttp.ClientError):
-        # Headers are sent already; the client sees the stream end without [DONE].
-        return
+            if first:
+                exchange.first_byte()
+                first = False
+            if not pending and chunk.endswith(b"\n\n") and b'"usage"' not in chunk:
+                yield chunk
+                continue
+            data = pending + chunk
+            cut = data.rfind(b"\n\n")
+            if cut < 0:
+                pending = data
+                continue
+            block, pending = data[: cut + 2], data[cut + 2 :]
+            block = _events_with_usage(block, exchange, strip_usage)
+            if block.strip():
+                yield block
+        if pending:
+            yield pending
+    except TimeoutError:
+        status = 504
+        yield error_event(
+            "The engine went silent mid-stream (gateway.upstream_timeout_s)",
+            type="timeout",
+            code="upstream_timeout",
+        )
+    except (GeneratorExit, asyncio.CancelledError):
+        status = 499  # the client went away
+        raise
+    except aiohttp.ClientError as err:
+        status = 502
+        yield error_event(
+            f"The engine failed mid-stream: {err}", type="upstream_error", code="upstream_failed"
+        )
     finally:
         upstream.close()
-        on_done()
+        finish(status)
 
 
 def _set_nodelay(upstream: aiohttp.ClientResponse) -> None:

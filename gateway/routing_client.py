@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -22,6 +22,8 @@ from hpcserve.router import protocol as p
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=p.RoutingReply)
+# A Release waits at most this long for a Route to ride on.
+RELEASE_DELAY_S = 0.002
 
 
 class RouterUnavailable(Exception):
@@ -29,14 +31,18 @@ class RouterUnavailable(Exception):
 
 
 class RoutingClient:
-    def __init__(self, endpoint: str, *, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float, adapter_wait_s: float = 60.0) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        # A LoRA adapter loaded on demand (router/adapters.py): how long a request waits.
+        self.adapter_wait_s = adapter_wait_s
         self._ctx = zmq.asyncio.Context()
         self._sock: zmq.asyncio.Socket | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[p.RoutingReply]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._released: list[str] = []
+        self._flush: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -49,6 +55,9 @@ class RoutingClient:
         log.info("routing client connected to %s", self.endpoint)
 
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._send_releases()
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -89,8 +98,31 @@ class RoutingClient:
         assert isinstance(reply, reply_type)
         return reply
 
-    async def route(self, model: str) -> p.RouteReply:
-        return await self._ask(p.Route, p.RouteReply, model=model)
+    async def route(
+        self,
+        model: str,
+        *,
+        priority: str = "interactive",
+        exclude: list[str] | None = None,
+        **hints: Any,
+    ) -> p.RouteReply:
+        """`hints`: Route's prefix-routing fields (router/prompt_tokens.py RouteHints)."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.adapter_wait_s
+        while True:
+            if exclude:
+                hints["exclude"] = exclude
+            if self._released:
+                hints["released"] = self._take_released()
+            reply = await self._ask(p.Route, p.RouteReply, model=model, priority=priority, **hints)
+            hints.pop("released", None)
+            # The router is loading the LoRA adapter `model` names: ask again shortly.
+            if reply.error != "adapter_loading" or loop.time() >= give_up_at:
+                return reply
+            await asyncio.sleep(0.05)
+
+    async def sync_quota(self, gateway_id: str, usage: list[p.TenantUsage]) -> p.QuotaTotals:
+        return await self._ask(p.QuotaReport, p.QuotaTotals, gateway_id=gateway_id, usage=usage)
 
     async def models(self) -> p.ModelList:
         return await self._ask(p.ListModels, p.ModelList)
@@ -99,10 +131,30 @@ class RoutingClient:
         return await self._ask(p.ListReplicas, p.ReplicaList)
 
     def release(self, replica_id: str) -> None:
+        """Count a routed request finished: folded into the next Route (one send instead of
+        two per request), or sent alone after `RELEASE_DELAY_S` when no Route comes."""
         if self._sock is None:
             return
-        sent = self._sock.send(p.encode(p.Release(replica_id)), flags=zmq.NOBLOCK)
-        sent.add_done_callback(_log_dropped_release)
+        self._released.append(replica_id)
+        if self._flush is None:
+            loop = asyncio.get_running_loop()
+            self._flush = loop.call_later(RELEASE_DELAY_S, self._send_releases)
+
+    def _take_released(self) -> list[str]:
+        released, self._released = self._released, []
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        return released
+
+    def _send_releases(self) -> None:
+        self._flush = None
+        released, self._released = self._released, []
+        if self._sock is None or not released:
+            return
+        for replica_id in released:
+            sent = self._sock.send(p.encode(p.Release(replica_id)), flags=zmq.NOBLOCK)
+            sent.add_done_callback(_log_dropped_release)
 
 
 def _log_dropped_release(sent: asyncio.Future[object]) -> None:

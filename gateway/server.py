@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import uvicorn
 
 from hpcserve.config import PlatformConfig
 from hpcserve.gateway.app import Gateway, build_app
+from hpcserve.gateway.batch.service import BatchService
+from hpcserve.router.prompt_tokens import route_hints_for
 
 
 def build_gateway_app(config: PlatformConfig):  # type: ignore[no-untyped-def]
@@ -13,7 +17,9 @@ def build_gateway_app(config: PlatformConfig):  # type: ignore[no-untyped-def]
         config.gateway,
         routing_endpoint=config.router.gateways_dial(),
         configured_models={pool.model for pool in config.pools},
+        batch=BatchService(config.batch, Path(config.batch_dir())),
     )
+    gateway.route_hints = route_hints_for(config)
     return build_app(gateway)
 
 

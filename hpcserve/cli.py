@@ -36,12 +36,19 @@ def _start_metrics(port: int, registry: object) -> None:
 def cmd_router(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
+    from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
     from hpcserve.router.server import RouterServer
 
     cfg = _load(args)
     registry = CollectorRegistry()
-    server = RouterServer(cfg.router, metrics_registry=registry)
-    server.bind()
+    # LoRA adapters come from the model registry (router/adapters.py).
+    adapters = AdapterRouter(AdapterCatalog.from_registry(cfg.registry_path()))
+    server = RouterServer(cfg.router, metrics_registry=registry, adapters=adapters)
+    try:
+        server.bind()
+    except RuntimeError as err:  # a port in use, plain registry on a public address, keys
+        print(f"hpcserve router: {err}", file=sys.stderr)
+        return 2
     _start_metrics(cfg.router.metrics_port, registry)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
@@ -126,6 +133,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         head_port=args.head_port,
         drain_file=args.drain_file,
+        lora_plan=args.lora_plan,
+        curve_dir=args.curve_dir,
     )
     try:
         runner = EngineRunner(options)
@@ -138,16 +147,9 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def cmd_free_ports(args: argparse.Namespace) -> int:
     """N distinct TCP ports free on this host now (for job scripts; another process may
     still take one before it is used, so scripts let an admin set their own)."""
-    import socket
+    from hpcserve.ports import free_ports
 
-    sockets = [socket.socket() for _ in range(args.count)]
-    try:
-        for s in sockets:
-            s.bind(("", 0))
-        print(" ".join(str(s.getsockname()[1]) for s in sockets))
-    finally:
-        for s in sockets:
-            s.close()
+    print(" ".join(str(port) for port in free_ports(args.count)))
     return 0
 
 
@@ -194,6 +196,20 @@ def cmd_scale(args: argparse.Namespace) -> int:
         + (" (back to the config's value)" if args.reset else "")
         + "; the pool manager applies it at its next poll"
     )
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from hpcserve.router.curve import CurveError, generate_keys
+
+    directory = Path(args.dir) if args.dir else Path(_load(args).state_dir) / "curve"
+    try:
+        generate_keys(directory, force=args.force)
+    except CurveError as err:
+        print(f"hpcserve keys: {err}", file=sys.stderr)
+        return 1
+    print(f"CURVE keys written to {directory}; turn authentication on with")
+    print(f'  [router]\n  curve_dir = "{directory.resolve()}"')
     return 0
 
 
@@ -257,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     with_config(sub.add_parser("router", help="run the router")).set_defaults(func=cmd_router)
+    p = with_config(sub.add_parser("keys", help="create CURVE keys for the registry socket"))
+    p.add_argument("--dir", default="", help="where (default: <state_dir>/curve)")
+    p.add_argument("--force", action="store_true", help="replace existing keys")
+    p.set_defaults(func=cmd_keys)
     with_config(sub.add_parser("gateway", help="run the OpenAI-compatible gateway")).set_defaults(
         func=cmd_gateway
     )
@@ -297,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--head-port", type=int, default=0, help="multi-node: rank 0's engine, for the others"
     )
     p.add_argument("--drain-file", default="", help="drain when this file appears")
+    p.add_argument(
+        "--lora-plan",
+        default=os.environ.get("HPCSERVE_LORA_PLAN", ""),
+        help="LoRA: the pool's adapter plan, JSON (default: $HPCSERVE_LORA_PLAN)",
+    )
+    p.add_argument(
+        "--curve-dir",
+        default=os.environ.get("HPCSERVE_CURVE_DIR", ""),
+        help="CURVE keys for the registry socket (default: $HPCSERVE_CURVE_DIR; empty: plain)",
+    )
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra vLLM arguments")
     p.set_defaults(func=cmd_engine)
 
@@ -353,10 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_parser(sub)
 
+    from hpcserve.health.cli import add_health_parser
+
+    add_health_parser(sub)
+
     models = sub.add_parser("models", help="model tools")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="COMMAND")
     p = msub.add_parser("make-tiny", help="write a tiny random-weight HF model directory")
-    p.add_argument("--kind", choices=["chat", "embed", "rerank"], required=True)
+    p.add_argument("--kind", choices=["chat", "embed", "rerank", "lora"], required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
     p.add_argument("dir")
@@ -366,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_models_registry_parsers(msub)
     add_cache_parser(sub)
+
+    from hpcserve.gateway.batch.progress import add_batches_parser
+
+    add_batches_parser(sub, with_config)
     return parser
 
 

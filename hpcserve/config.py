@@ -32,6 +32,37 @@ class ConfigError(ValueError):
     pass
 
 
+RoutingPolicy = Literal["kv-aware", "least-load", "round-robin"]
+
+
+class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """How the router picks a replica (router/policies/); see docs/architecture.md, Router."""
+
+    # kv-aware: new prefill tokens + decode load + KV pressure (the default);
+    # least-load and round-robin are the baselines.
+    policy: RoutingPolicy = "kv-aware"
+    # One request on a replica costs as much as this many prompt tokens to prefill.
+    tokens_per_request: PosFloat = 512.0
+    # Overload gate: a replica more than overload_abs requests and overload_rel times above
+    # the least loaded one gets no cache bonus.
+    overload_abs: NonNegInt = 4
+    overload_rel: PosFloat = 1.5
+    # Weight of the KV-pressure term, and a replica's KV capacity in tokens (0: use only the
+    # engine's reported KV usage).
+    kv_pressure_weight: NonNegFloat = 1.0
+    kv_capacity_tokens: NonNegInt = 0
+    # Subscribe to the engines' KV-cache events; a replica silent this long counts as cold.
+    kv_events: bool = True
+    kv_silence_s: PosFloat = 30.0
+    # Approximate mode (engines without events): remember routed prefixes this long, at
+    # most this many blocks per replica.
+    approx_ttl_s: PosFloat = 120.0
+    approx_max_blocks: PosInt = 100_000
+    # Session affinity (header x-session-id): how long a session sticks to its replica.
+    session_ttl_s: PosFloat = 600.0
+    session_max: PosInt = 100_000
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Engines connect to registry_endpoint; gateways connect to routing_endpoint.
     registry_bind: str = "tcp://127.0.0.1:5560"
@@ -41,6 +72,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     lease_s: PosFloat = 6.0
     heartbeat_s: PosFloat = 2.0
     metrics_port: Port = 9101
+    routing: RoutingConfig = RoutingConfig()
+    # CURVE keys of the registry socket (`hpcserve keys` writes <state_dir>/curve); empty:
+    # plain, which the router refuses on a non-loopback registry_bind unless allowed here.
+    curve_dir: str = ""
+    allow_plain_remote: bool = False
 
     def engines_dial(self) -> str:
         return self.registry_endpoint or self.registry_bind
@@ -78,6 +114,18 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     data_resident: bool = False
 
 
+class ExternalAPIConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An external OpenAI-compatible API that overflow traffic may be sent to."""
+
+    # e.g. https://api.example.com/v1 (the endpoint path, /chat/completions, is appended).
+    base_url: str = ""
+    # Environment variable holding its API key (the key itself never goes in the config).
+    api_key_env: str = ""
+    # Our model name -> its model name; a model not listed here is never overflowed.
+    models: dict[str, str] = {}
+    timeout_s: PosFloat = 120.0
+
+
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     host: str = "127.0.0.1"
     port: Port = 8000
@@ -91,6 +139,16 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     admin_keys: list[Sha256Hex] = []
     # Tenants named by api_keys; when this list is empty every tenant gets the defaults.
     tenants: list[TenantConfig] = []
+    # How often each gateway sends its tenants' usage to the router and learns the others'
+    # (router/quota_book.py): a limit can be overshot by about this much of others' traffic.
+    quota_sync_s: PosFloat = 0.1
+    # Where tenants with overflow = "external" go when no replica can take their request.
+    overflow: ExternalAPIConfig = ExternalAPIConfig()
+    # OpenTelemetry traces (OTLP over HTTP, e.g. http://collector:4318/v1/traces); empty: off.
+    otlp_traces_endpoint: str = ""
+    # Share of requests traced (a client's sampled traceparent is always followed): spans cost
+    # CPU on every traced request (docs/benchmarks.md), so a busy gateway samples.
+    trace_sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
 
 
 class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -140,6 +198,12 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     engine_args: list[str] = []
     env: dict[str, str] = {}
     sbatch_args: list[str] = []
+    # Multi-LoRA: max_loras > 0 turns LoRA on; it bounds the adapters a replica holds at once
+    # (vLLM --max-loras). lora_adapters (registry adapter names) are loaded at start; any
+    # other registry adapter of this pool's model is loaded on demand by the router.
+    max_loras: NonNegInt = 0
+    max_lora_rank: PosInt = 16
+    lora_adapters: list[Name] = []
 
     @property
     def model(self) -> str:
@@ -156,6 +220,62 @@ class EngineHostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     cache_dir: str = ""
 
 
+class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """The Batch API (/v1/files, /v1/batches): where its state lives and how hard it runs."""
+
+    # SQLite database and files directory; default: <state_dir>/batch.
+    dir: str = ""
+    max_file_bytes: PosInt = 200 * 1024 * 1024
+    max_lines: PosInt = 50_000
+    # Batch requests in flight per replica of a model (all batches together): enough to keep
+    # an engine's batch full, few enough that interactive requests still find room.
+    concurrency_per_replica: PosInt = 32
+    # Tries per request when a replica fails (unreachable, timeout, 5xx) before the error file.
+    max_attempts: PosInt = 3
+    retry_backoff_s: PosFloat = 1.0
+    # What completion_window "24h" means here; shorter only to test expiry.
+    completion_window_s: PosFloat = 86_400.0
+
+
+HealthAction = Literal["log", "stop_routing", "drain", "drain_reset"]
+GpuChecks = Literal["auto", "nvml", "off"]
+
+
+class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Health checks (hpcserve.health): the monitor beside each engine, `hpcserve health
+    check` (by hand or as Slurm's HealthCheckProgram) and the pool manager's node actions."""
+
+    # The in-job monitor beside each engine: GPU checks, Xid events, generation probe.
+    monitor: bool = True
+    # NVML: "auto" on engine 'vllm' (GPUs) or when fake_nvml is set; "nvml" always; "off".
+    gpu_checks: GpuChecks = "auto"
+    # The fake NVML's state file (tests, GPU-less demos; "{node}" becomes the node name).
+    # Empty: the real NVML. $HPCSERVE_FAKE_NVML, when set, wins.
+    fake_nvml: str = ""
+    probe_interval_s: PosFloat = 10.0
+    # A one-token greedy generation that takes longer than this is a finding.
+    probe_deadline_s: PosFloat = 30.0
+    # While requests run, the engine's token counters must move within this many seconds.
+    stall_s: PosFloat = 30.0
+    # An engine out of routing this long for an engine finding is stopped (the job fails).
+    give_up_s: PosFloat = 300.0
+    max_temperature_c: PosInt = 90
+    # Actions per Xid ("79" = "drain_reset"), over the built-in table (hpcserve/health/policy.py).
+    xid_actions: dict[str, HealthAction] = {}
+    # Xids in neither table.
+    xid_default: HealthAction = "log"
+    # Actions per check name, over the defaults (hpcserve/health/policy.py).
+    actions: dict[str, HealthAction] = {}
+    # Site hook for "drain_reset": argv; "{node}" and "{reason}" are filled in.
+    reset_hook: list[str] = []
+    reset_hook_timeout_s: PosFloat = 60.0
+    # `health check --drain` resumes a node hpcserve drained after this many clean checks in
+    # a row (0: never). Nodes drained by anyone else are never resumed.
+    auto_resume_after: NonNegInt = 0
+    # Where `health check` keeps its count of clean checks (node-local).
+    check_state_dir: str = "/var/lib/hpcserve/health"
+
+
 class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     state_dir: str = ".state"
     # The model registry (SQLite on the control node); default: <state_dir>/registry.sqlite3.
@@ -166,9 +286,14 @@ class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     poolmgr: PoolMgrConfig = PoolMgrConfig()
     engine: EngineHostConfig = EngineHostConfig()
     pools: list[PoolConfig] = []
+    health: HealthConfig = HealthConfig()
+    batch: BatchConfig = BatchConfig()
 
     def registry_path(self) -> str:
         return self.registry or str(Path(self.state_dir) / "registry.sqlite3")
+
+    def batch_dir(self) -> str:
+        return self.batch.dir or str(Path(self.state_dir) / "batch")
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -238,6 +363,26 @@ def _check_parallelism(i: int, pool: PoolConfig) -> None:
         )
 
 
+def _check_lora(i: int, pool: PoolConfig, cache_dir: str) -> None:
+    if pool.lora_adapters and len(pool.lora_adapters) > pool.max_loras:
+        raise ConfigError(
+            f"pools[{i}].max_loras: {pool.max_loras} is fewer than the {len(pool.lora_adapters)} "
+            "lora_adapters loaded at start"
+        )
+    if pool.max_loras and not cache_dir:
+        raise ConfigError(
+            f"pools[{i}].max_loras: LoRA needs engine.cache_dir, the node-local directory "
+            "adapters are staged into"
+        )
+    if pool.max_loras and pool.engine == "sim":
+        raise ConfigError(f"pools[{i}].max_loras: the simulated engine has no LoRA")
+    if pool.max_loras and pool.nodes_per_replica > 1:
+        raise ConfigError(
+            f"pools[{i}].max_loras: LoRA is not supported for replicas across nodes "
+            f"(nodes_per_replica = {pool.nodes_per_replica})"
+        )
+
+
 def _check_semantics(cfg: PlatformConfig) -> None:
     seen: set[str] = set()
     for i, pool in enumerate(cfg.pools):
@@ -256,6 +401,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 "node-local directory the model is staged into"
             )
         _check_parallelism(i, pool)
+        _check_lora(i, pool, cfg.engine.cache_dir)
         if pool.nodes_per_replica > 1 and cfg.poolmgr.launcher == "local":
             raise ConfigError(
                 f"pools[{i}].nodes_per_replica: {pool.nodes_per_replica} needs "
@@ -263,6 +409,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 "process)"
             )
     _check_tenants(cfg.gateway)
+    _check_health(cfg.health)
     if cfg.router.heartbeat_s * 2 > cfg.router.lease_s:
         raise ConfigError(
             f"router.lease_s: {cfg.router.lease_s} must be at least twice "
@@ -279,6 +426,26 @@ def _check_semantics(cfg: PlatformConfig) -> None:
     for model in models:
         if models.count(model) > 1:
             raise ConfigError(f"pools: model {model!r} is served by two pools; give each its own")
+
+
+def _check_health(health: HealthConfig) -> None:
+    from hpcserve.health.policy import CHECKS
+
+    for key in health.xid_actions:
+        if not key.isdigit():
+            raise ConfigError(f"health.xid_actions: key {key!r} is not an Xid number")
+    for key in health.actions:
+        if key not in CHECKS:
+            raise ConfigError(
+                f"health.actions: unknown check {key!r}; checks: {', '.join(sorted(CHECKS))}"
+            )
+    uses_reset = "drain_reset" in (
+        *health.xid_actions.values(), *health.actions.values(), health.xid_default
+    )
+    if uses_reset and not health.reset_hook:
+        raise ConfigError(
+            "health.reset_hook: an action is 'drain_reset' but no reset hook is configured"
+        )
 
 
 def _check_tenants(gateway: GatewayConfig) -> None:
@@ -301,6 +468,12 @@ def _check_tenants(gateway: GatewayConfig) -> None:
                     f"gateway.api_keys[{i}].tenant: {key.tenant!r} is not one of "
                     f"gateway.tenants ({', '.join(sorted(declared))})"
                 )
+    overflowing = [t.name for t in gateway.tenants if t.overflow == "external"]
+    if overflowing and not gateway.overflow.base_url:
+        raise ConfigError(
+            f"gateway.overflow.base_url: tenants {', '.join(overflowing)} have overflow = "
+            "'external' but no external API is configured"
+        )
     tenant_digests = {k.sha256 for k in gateway.api_keys}
     for i, digest in enumerate(gateway.admin_keys):
         if digest in tenant_digests:

@@ -58,7 +58,8 @@ def demo_config(state_dir: Path, *, launcher: str, api_key: str) -> PlatformConf
     cpu = not has_nvidia_gpu()
     engine_args = ["--max-model-len", "1024"]
     if cpu:
-        engine_args = ["--dtype", "float32", *engine_args]
+        # The tiny demo model gains nothing from torch.compile, which costs a minute at start.
+        engine_args = ["--dtype", "float32", "--enforce-eager", *engine_args]
     return PlatformConfig(
         state_dir=str(state_dir),
         router=RouterConfig(),

@@ -6,7 +6,7 @@ anything. Nothing here imports torch or transformers: the control plane must
 work without them. Only numpy, ``safetensors.numpy`` and ``tokenizers`` are
 used.
 
-Three kinds:
+Four kinds:
 
 - ``chat``: a Llama-style causal LM (``LlamaForCausalLM``) with a byte-level BPE
   tokenizer, Llama-3 special tokens and a Llama-3 chat template.
@@ -14,6 +14,12 @@ Three kinds:
   tokenizer; vLLM serves it on ``/v1/embeddings`` (CLS pooling).
 - ``rerank``: ``BertForSequenceClassification`` with one label; vLLM serves it
   on ``/v1/rerank`` and ``/v1/score``.
+- ``lora``: a PEFT LoRA adapter (``adapter_config.json`` and
+  ``adapter_model.safetensors``) for the ``chat`` model of the same size: every
+  attention and MLP projection of every layer, rank 8. vLLM serves it with
+  ``--enable-lora`` (``--lora-modules`` or the runtime load endpoint). The seed
+  makes different adapters; their weights are large enough that an adapter's
+  greedy answers differ from the base model's.
 
 Output is deterministic: the same kind, seed and size give byte-identical files
 (with the same numpy, safetensors and tokenizers versions). The tokenizer does
@@ -38,9 +44,9 @@ from tokenizers.trainers import BpeTrainer, WordPieceTrainer
 
 __all__ = ["KINDS", "SIZES", "Kind", "Size", "make_tiny_model"]
 
-Kind = Literal["chat", "embed", "rerank"]
+Kind = Literal["chat", "embed", "rerank", "lora"]
 Size = Literal["tiny", "small"]
-KINDS: tuple[str, ...] = ("chat", "embed", "rerank")
+KINDS: tuple[str, ...] = ("chat", "embed", "rerank", "lora")
 SIZES: tuple[str, ...] = ("tiny", "small")
 
 INIT_STD = 0.02
@@ -541,16 +547,89 @@ def _write_bert(
     }
 
 
+LORA_RANK = 8
+LORA_ALPHA = 16
+# Each LoRA factor ~ normal(0, LORA_STD): the update scale * B @ A then has a spread of
+# about 2 * sqrt(8) * 0.1^2 = 0.057, larger than the base weights' 0.02, so an adapter
+# visibly changes the greedy output of the random base model.
+LORA_STD = 0.1
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_weights(s: _LlamaShape, seed: int) -> dict[str, np.ndarray]:
+    kv_dim = s.kv_heads * (s.hidden // s.heads)
+    shapes = {  # target -> (out features, in features)
+        "q_proj": (s.hidden, s.hidden),
+        "k_proj": (kv_dim, s.hidden),
+        "v_proj": (kv_dim, s.hidden),
+        "o_proj": (s.hidden, s.hidden),
+        "gate_proj": (s.intermediate, s.hidden),
+        "up_proj": (s.intermediate, s.hidden),
+        "down_proj": (s.hidden, s.intermediate),
+    }
+    rng = np.random.default_rng(seed)
+    tensors: dict[str, np.ndarray] = {}
+    for i in range(s.layers):
+        for target in LORA_TARGETS:
+            block = (
+                "self_attn" if target.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            )
+            out_f, in_f = shapes[target]
+            p = f"base_model.model.model.layers.{i}.{block}.{target}"
+            for factor, shape in (("lora_A", (LORA_RANK, in_f)), ("lora_B", (out_f, LORA_RANK))):
+                arr = rng.standard_normal(shape, dtype=np.float32)
+                arr *= np.float32(LORA_STD)
+                tensors[f"{p}.{factor}.weight"] = arr
+    return tensors
+
+
+def _write_lora(d: Path, size: str, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
+    s = _LLAMA_SHAPES[size]
+    _write_json(
+        d / "adapter_config.json",
+        {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": f"hpcserve-tiny-chat-{size}",
+            "r": LORA_RANK,
+            "lora_alpha": LORA_ALPHA,
+            "lora_dropout": 0.0,
+            "target_modules": list(LORA_TARGETS),
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+            "use_rslora": False,
+            "use_dora": False,
+            "inference_mode": True,
+        },
+    )
+    say(f"initialising LoRA weights (rank {LORA_RANK}, seed {seed})")
+    tensors = _lora_weights(s, seed)
+    say(f"writing adapter_model.safetensors ({_n_params(tensors):,} parameters, float32)")
+    save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return {
+        "architecture": f"PEFT LoRA for the {size} chat model (LlamaForCausalLM)",
+        "shape": f"rank {LORA_RANK}, alpha {LORA_ALPHA}, on {', '.join(LORA_TARGETS)} "
+        f"of {s.layers} layers",
+        "tokenizer": "none (the base model's)",
+        "params": _n_params(tensors),
+    }
+
+
 _USES = {
     "chat": "vLLM serves it on /v1/chat/completions and /v1/completions.",
     "embed": "vLLM serves it on /v1/embeddings (CLS pooling; `--runner auto` picks pooling).\n"
     "Its positions stop at 512: start vLLM with `--max-model-len 512` or less.",
     "rerank": "vLLM serves it on /v1/rerank and /v1/score (one-label cross-encoder).\n"
     "Its positions stop at 512: start vLLM with `--max-model-len 512` or less.",
+    "lora": "vLLM serves it on the tiny chat model of the same size, started with\n"
+    "`--enable-lora --max-lora-rank 8` and `--lora-modules NAME=DIR` or loaded at run time\n"
+    "(POST /v1/load_lora_adapter, with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True).",
 }
 
 
 def _write_readme(d: Path, kind: str, size: str, seed: int, info: dict[str, Any]) -> None:
+    weights = "adapter_model.safetensors" if kind == "lora" else "model.safetensors"
     text = f"""\
 # Random-weight test model ({kind}, {size}, seed {seed})
 
@@ -559,7 +638,7 @@ norms at one, biases at zero) and its output is meaningless. It exists so that
 tests and demos can load and serve a real model without a download or a GPU.
 
 - Architecture: `{info["architecture"]}`, {info["shape"]}
-- Parameters: {info["params"]:,} (float32, `model.safetensors`)
+- Parameters: {info["params"]:,} (float32, `{weights}`)
 - Tokenizer: {info["tokenizer"]}, trained with the `tokenizers` library on a small
   built-in English corpus plus deterministic generated text
 
@@ -606,6 +685,8 @@ def make_tiny_model(
         say(f"building {size} {kind} model in {tmp}")
         if kind == "chat":
             info = _write_chat(tmp, size, seed, say)
+        elif kind == "lora":
+            info = _write_lora(tmp, size, seed, say)
         else:
             info = _write_bert(tmp, kind, size, seed, say)
         _write_readme(tmp, kind, size, seed, info)

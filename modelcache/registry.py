@@ -359,6 +359,13 @@ class Registry:
         ).fetchall()
         return [row[0] for row in rows]
 
+    def usage(self) -> list[tuple[str, str]]:
+        """Every (replica id, name@version) recorded in use."""
+        rows = self._db.execute(
+            "SELECT replica_id, model, version FROM replica_usage ORDER BY replica_id"
+        ).fetchall()
+        return [(rid, f"{model}@{version}") for rid, model, version in rows]
+
     def kind(self, name: str) -> str | None:
         """'model', 'alias', 'adapter' or None: what `name` is in the shared namespace."""
         for table, kind in (("models", "model"), ("aliases", "alias"), ("adapters", "adapter")):

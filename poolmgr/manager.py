@@ -21,10 +21,12 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import ConfigError, PlatformConfig, PoolConfig, load_config
+from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.modelcache.registry import RegistryError
 from hpcserve.poolmgr.failures import FailureTracker
 from hpcserve.poolmgr.identity import JobIdentity
 from hpcserve.poolmgr.observe import Observation, observe
+from hpcserve.poolmgr.placement import CacheInventory, job_pins
 from hpcserve.poolmgr.reconcile import (
     Cancel,
     Drain,
@@ -35,6 +37,7 @@ from hpcserve.poolmgr.reconcile import (
     reconcile,
     retire_reason,
 )
+from hpcserve.poolmgr.registry_usage import RegistryUsage
 from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
 from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
@@ -96,13 +99,17 @@ class PoolManager:
         self.slurm = slurm
         self.memory = PoolMemory()
         self.failures = FailureTracker(config.poolmgr.healthy_after_s)
-        self.metrics = PoolMgrMetrics(metrics_registry or CollectorRegistry())
+        registry = metrics_registry or CollectorRegistry()
+        self.metrics = PoolMgrMetrics(registry)
+        self.node_health = NodeHealthActions(slurm, registry)
         self._clock = clock
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._router_endpoint = router_endpoint
         self._replicas: list[ReplicaInfo] = []
         self._nodes: list[SlurmNode] = []
+        self.cache_inventory = CacheInventory()
+        self.registry_usage = RegistryUsage(config.registry_path())
         self._seen_states: dict[int, JobState] = {}
         self.last_observation: Observation | None = None
 
@@ -135,6 +142,9 @@ class PoolManager:
             return []
         try:
             self._replicas = list_replicas(endpoint or self.config.router.gateways_dial())
+            for replica in self._replicas:
+                self.cache_inventory.report(replica.node, replica.cached)
+            self.registry_usage.sync(self._replicas)
         except RouterQueryError as err:
             log.warning("router unavailable, using the last known replicas: %s", err)
         return self._replicas
@@ -192,6 +202,8 @@ class PoolManager:
         if self._reload.is_set():
             self._reload.clear()
             self.reload()
+        # Before observing: nodes drained now are seen drained, so nothing new goes there.
+        self._act_on_health()
         try:
             observation = self.observe()
         except SlurmError as err:
@@ -222,6 +234,14 @@ class PoolManager:
         self._write_status(desired, observation, plan, now)
         self.metrics.poll_seconds.set(time.perf_counter() - started)
         return plan
+
+    def _act_on_health(self) -> None:
+        if self._router_endpoint is None:
+            return
+        endpoint = self._router_endpoint or self.config.router.gateways_dial()
+        for job_id in self.node_health.poll(endpoint, self.config.health):
+            # The job drains itself (its engine left routing): replace it now.
+            self.memory.draining_since.setdefault(job_id, self._clock())
 
     def _write_status(
         self, desired: dict[str, int], observation: Observation, plan: Plan, now: float
@@ -263,17 +283,31 @@ class PoolManager:
         except (RegistryError, OSError) as err:
             log.error("pool %s: cannot resolve model %r: %s", pool.name, pool.model_ref, err)
             return
-        for _ in range(count):
+        # Prefer nodes whose cache holds the model (poolmgr/placement.py).
+        pins = job_pins(
+            self.cache_inventory,
+            Path(model.manifest).stem if model.manifest else "",
+            self._nodes,
+            jobs=count,
+            gpus_per_job=pool.gpus_per_replica,
+            nodes_per_job=pool.nodes_per_replica,
+            partition=self.config.slurm.partition,
+            sbatch_args=[*self.config.slurm.extra_args, *pool.sbatch_args],
+        )
+        for pin in pins:
             script = render(build_job_spec(self.config, pool, model))
+            pin_args = [f"--nodelist={pin}"] if pin else []
             try:
                 job_id = self.slurm.submit(
-                    script, extra_args=[*self.config.slurm.extra_args, *pool.sbatch_args]
+                    script,
+                    extra_args=[*self.config.slurm.extra_args, *pool.sbatch_args, *pin_args],
                 )
             except SlurmError as err:
                 self.metrics.errors.labels("sbatch").inc()
                 log.error("pool %s: submission failed: %s", pool.name, err)
                 return
-            log.info("pool %s: submitted job %d", pool.name, job_id)
+            where = f" on {pin}, whose cache holds {model.model_ref}" if pin else ""
+            log.info("pool %s: submitted job %d%s", pool.name, job_id, where)
 
     def _drain(self, action: Drain, now: float) -> None:
         try:

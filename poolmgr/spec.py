@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from hpcserve.config import PlatformConfig, PoolConfig
+from hpcserve.config import HealthConfig, PlatformConfig, PoolConfig
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.render import JobSpec
 from hpcserve.poolmgr.state_files import write_atomic
@@ -48,14 +48,16 @@ class ResolvedModel:
     engine_args: tuple[str, ...] = ()
     model_ref: str = ""  # name@version in the registry
     manifest: str = ""  # where its digest manifest was written for the job to read
+    lora_plan: str = ""  # LoRA on: where the pool's LoRA plan was written for the job
 
 
 def resolve_model(config: PlatformConfig, pool: PoolConfig) -> ResolvedModel:
     """A pool's weights: its model_path, or its registry ref resolved to a version whose
     manifest is written (once) under <state_dir>/manifests for the job to stage from.
     Raises RegistryError naming the ref when the registry does not have it."""
+    lora_plan = write_lora_plan(config, pool)
     if not pool.model_ref:
-        return ResolvedModel(model_path=pool.model_path)
+        return ResolvedModel(model_path=pool.model_path, lora_plan=lora_plan)
     from hpcserve.modelcache.refs import cache_key
     from hpcserve.modelcache.registry import Registry
 
@@ -77,7 +79,35 @@ def resolve_model(config: PlatformConfig, pool: PoolConfig) -> ResolvedModel:
         engine_args=tuple(version.engine_args),
         model_ref=version.ref,
         manifest=str(path),
+        lora_plan=lora_plan,
     )
+
+
+def write_lora_plan(config: PlatformConfig, pool: PoolConfig) -> str:
+    """For a pool with LoRA on: its plan (limits, and each static adapter's source and
+    manifest from the registry) written under <state_dir>/lora for the job; "" when off.
+    Raises RegistryError naming an adapter the registry does not have."""
+    if pool.max_loras <= 0:
+        return ""
+    from hpcserve.engine_launch.lora import LoraPlan, StaticAdapter
+    from hpcserve.modelcache.registry import Registry
+
+    with Registry(Path(config.registry_path())) as registry:
+        adapters = [
+            StaticAdapter(
+                name, registry.adapter(name).path, registry.adapter_manifest(name).encode().decode()
+            )
+            for name in pool.lora_adapters
+        ]
+    plan = msgspec.json.encode(LoraPlan(pool.max_loras, pool.max_lora_rank, adapters))
+    path = (
+        Path(config.state_dir)
+        / "lora"
+        / f"{pool.name}-{hashlib.sha256(plan).hexdigest()[:12]}.json"
+    )
+    if not path.exists():
+        write_atomic(path, plan)
+    return str(path)
 
 
 def build_job_spec(
@@ -112,5 +142,26 @@ def build_job_spec(
         qos=config.slurm.qos,
         output=str(job_log_dir(config) / "%x-%j.out"),
         engine_args=(*model.engine_args, *pool.engine_args),
-        env=tuple(sorted(pool.env.items())),
+        env=_job_env(pool, model) + _health_env(config) + _curve_env(config),
     )
+
+
+def _curve_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
+    """Where the engine finds its CURVE keys (router/curve.py); none in plain mode."""
+    if not config.router.curve_dir:
+        return ()
+    return (("HPCSERVE_CURVE_DIR", config.router.curve_dir),)
+
+
+def _health_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
+    """The job's health settings (read by the engine's monitor); none when all default."""
+    if config.health == HealthConfig():
+        return ()
+    return (("HPCSERVE_HEALTH", msgspec.json.encode(config.health).decode()),)
+
+
+def _job_env(pool: PoolConfig, model: ResolvedModel) -> tuple[tuple[str, str], ...]:
+    env = dict(pool.env)
+    if model.lora_plan:
+        env["HPCSERVE_LORA_PLAN"] = model.lora_plan  # read by `hpcserve engine --lora-plan`
+    return tuple(sorted(env.items()))

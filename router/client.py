@@ -39,3 +39,12 @@ def _ask(endpoint: str, message: p.RoutingMessage, timeout_s: float) -> p.Routin
         return p.routing_reply_decoder.decode(sock.recv())
     finally:
         sock.close(0)
+
+
+def list_health_events(
+    endpoint: str, epoch: str = "", ack_seq: int = 0, timeout_s: float = 2.0
+) -> p.HealthEvents:
+    """Health events the router holds; those up to ack_seq of epoch are acknowledged."""
+    reply = _ask(endpoint, p.ListHealthEvents(next(_ids), epoch, ack_seq), timeout_s)
+    assert isinstance(reply, p.HealthEvents)
+    return reply

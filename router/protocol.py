@@ -8,7 +8,8 @@ Two conversations, each on its own router socket:
 
 - registry (engine agent DEALER -> router ROUTER): Register, Heartbeat, Deregister;
   the router answers each with RegistryAck (or ReRegister when it does not know the
-  replica, e.g. after a router restart).
+  replica, e.g. after a router restart). The router may also send LoadAdapter (load a
+  LoRA adapter on demand), which the agent answers with AdapterLoaded.
 - routing (gateway DEALER -> router ROUTER): Route -> RouteReply,
   Release (fire and forget), ListModels -> ModelList, ListReplicas -> ReplicaList.
 """
@@ -37,11 +38,30 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     pipeline_parallel: int = 1
     max_model_len: int = 0
     load: ReplicaLoad = ReplicaLoad()
+    # LoRA (router/adapters.py): the adapters loaded now, how many may be loaded at once
+    # (0: LoRA off), and the registry model they must be trained for.
+    adapters: list[str] = []
+    max_adapters: int = 0
+    base_model: str = ""
+    # KV-cache awareness (router/kv_subscriber.py): vLLM's KV-event PUB and replay endpoints
+    # (empty: no events; the router then remembers what it routed where) and its block size.
+    block_size: int = 0
+    kv_events_endpoint: str = ""
+    kv_replay_endpoint: str = ""
+    kv_events_topic: str = ""
+    # The node cache's entries (cache keys) when registering: the pool manager places new
+    # replicas on nodes that hold their model (poolmgr/placement.py).
+    cached: list[str] = []
+    # The registry version it serves (name@version; empty for a model_path pool): the pool
+    # manager records it in the registry, so a version in use cannot be removed.
+    model_ref: str = ""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     replica_id: str
     load: ReplicaLoad = ReplicaLoad()
+    # The LoRA adapters loaded now; None: unchanged (or LoRA off).
+    adapters: list[str] | None = None
 
 
 class Deregister(msgspec.Struct, frozen=True, tag="deregister"):
@@ -60,9 +80,43 @@ class ReRegister(msgspec.Struct, frozen=True, tag="reregister"):
     replica_id: str
 
 
+class LoadAdapter(msgspec.Struct, frozen=True, tag="load_adapter"):
+    """Router -> engine agent: unload `unload`, stage the LoRA adapter from `source` into
+    the node cache (verified against `manifest`, its digest manifest as JSON) and load it
+    into vLLM. Answered by AdapterLoaded."""
+
+    replica_id: str
+    adapter: str
+    source: str
+    manifest: bytes
+    unload: list[str] = []
+
+
+class AdapterLoaded(msgspec.Struct, frozen=True, tag="adapter_loaded"):
+    """Engine agent -> router: the outcome of a LoadAdapter (error empty: loaded)."""
+
+    replica_id: str
+    adapter: str
+    error: str = ""
+    adapters: list[str] = []  # loaded now
+
+
 class Route(msgspec.Struct, frozen=True, tag="route"):
     request_id: int
     model: str
+    # Prefix-aware routing (router/prefix_hash.py): the chained hashes of the prompt's full
+    # blocks of `block_size` tokens (empty: unknown), the prompt's token count, the LoRA
+    # adapter asked for, "interactive" or "batch", and a session key for affinity.
+    block_hashes: list[int] = []
+    block_size: int = 0
+    prompt_tokens: int = 0
+    adapter: str = ""
+    priority: str = "interactive"
+    session_key: str = ""
+    # Failover (gateway): replicas that already failed this request; never picked again.
+    exclude: list[str] = []
+    # Releases folded into this Route (one send instead of two; see Release).
+    released: list[str] = []
 
 
 class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
@@ -87,6 +141,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     id: str
     replicas: int
     created: int = 0
+    parent: str = ""  # a LoRA adapter: the model it runs on
 
 
 class ModelList(msgspec.Struct, frozen=True, tag="model_list"):
@@ -109,6 +164,8 @@ class ReplicaInfo(msgspec.Struct, frozen=True):
     last_seen_age_s: float
     in_flight: int
     load: ReplicaLoad
+    cached: list[str] = []  # its node's cache entries when it registered
+    model_ref: str = ""  # the registry version it serves
 
 
 class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
@@ -116,10 +173,88 @@ class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
     replicas: list[ReplicaInfo] = []
 
 
-RegistryMessage = Register | Heartbeat | Deregister
-RegistryReply = RegistryAck | ReRegister
-RoutingMessage = Route | Release | ListModels | ListReplicas
-RoutingReply = RouteReply | ModelList | ReplicaList
+class TenantUsage(msgspec.Struct, frozen=True):
+    """One tenant's usage on one gateway since its last report; in_flight is absolute."""
+
+    tenant: str
+    requests: int = 0
+    tokens: int = 0
+    in_flight: int = 0
+
+
+class QuotaReport(msgspec.Struct, frozen=True, tag="quota_report"):
+    """A gateway's batched usage deltas (router/quota_book.py); answered by QuotaTotals."""
+
+    request_id: int
+    gateway_id: str
+    usage: list[TenantUsage] = []
+
+
+class TenantTotals(msgspec.Struct, frozen=True):
+    """The other gateways' usage of one tenant over the last minute."""
+
+    tenant: str
+    requests: int = 0
+    tokens: int = 0
+    in_flight: int = 0
+    # Seconds until the oldest of that usage leaves the one-minute window.
+    frees_in_s: float = 0.0
+
+
+class QuotaTotals(msgspec.Struct, frozen=True, tag="quota_totals"):
+    request_id: int
+    tenants: list[TenantTotals] = []
+
+
+class HealthFinding(msgspec.Struct, frozen=True):
+    """One health check's finding (hpcserve.health): what an admin reads, what to do."""
+
+    check: str  # e.g. "xid", "ecc_uncorrectable", "engine_probe"
+    detail: str  # e.g. "xid 79 gpu 3"; a drain reason is "hpcserve: " + detail
+    action: str = "log"  # log | stop_routing | drain | drain_reset
+    gpu: int = -1
+
+
+class HealthReport(msgspec.Struct, frozen=True, tag="health_report"):
+    """An engine's monitor found something: the router stops routing to the replica when
+    an action is stop_routing or worse, and keeps node findings for the pool manager."""
+
+    replica_id: str
+    findings: list[HealthFinding] = []
+    node: str = ""
+    slurm_job_id: int = 0
+    pool: str = ""
+
+
+class HealthEvent(msgspec.Struct, frozen=True):
+    seq: int
+    at: float  # epoch seconds, the router's clock
+    replica_id: str
+    node: str
+    slurm_job_id: int
+    pool: str
+    finding: HealthFinding
+
+
+class ListHealthEvents(msgspec.Struct, frozen=True, tag="list_health_events"):
+    """The pool manager asks for health events; those up to `ack_seq` of `epoch` it has
+    acted on and the router forgets them."""
+
+    request_id: int
+    epoch: str = ""
+    ack_seq: int = 0
+
+
+class HealthEvents(msgspec.Struct, frozen=True, tag="health_events"):
+    request_id: int
+    epoch: str  # changes when the router restarts (sequence numbers start again)
+    events: list[HealthEvent] = []
+
+
+RegistryMessage = Register | Heartbeat | Deregister | AdapterLoaded | HealthReport
+RegistryReply = RegistryAck | ReRegister | LoadAdapter
+RoutingMessage = Route | Release | ListModels | ListReplicas | QuotaReport | ListHealthEvents
+RoutingReply = RouteReply | ModelList | ReplicaList | QuotaTotals | HealthEvents
 
 _encoder = msgspec.msgpack.Encoder()
 encode = _encoder.encode

@@ -11,14 +11,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from zmq.auth.thread import ThreadAuthenticator
 
 from hpcserve.config import RouterConfig
+from hpcserve.health.event_log import HealthEventLog
+from hpcserve.health.policy import severity, worst_action
 from hpcserve.router import protocol as p
-from hpcserve.router.policy import LeastLoad
+from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
+from hpcserve.router.curve import check_plain_bind, make_server, start_authenticator
+from hpcserve.router.decide import Decider
+from hpcserve.router.kv_subscriber import KvEventSubscriber
+from hpcserve.router.prefix_index import PrefixIndex
+from hpcserve.router.quota_book import QuotaBook
 from hpcserve.router.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -39,6 +48,12 @@ class RouterMetrics:
             "hpcserve_router_routes_total",
             "Routing decisions by outcome",
             ["outcome"],
+            registry=registry,
+        )
+        self.health_findings = Counter(
+            "hpcserve_router_health_findings_total",
+            "Health findings engines reported, by check and action",
+            ["check", "action"],
             registry=registry,
         )
         self.lease_expiries = Counter(
@@ -68,21 +83,48 @@ class RouterServer:
         metrics_registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context | None = None,
+        adapters: AdapterRouter | None = None,
     ) -> None:
         self.config = config
+        self.adapters = adapters or AdapterRouter(AdapterCatalog.empty(), clock=clock)
         self.registry = Registry(config.lease_s)
-        self.policy = LeastLoad()
-        self.metrics = RouterMetrics(metrics_registry or CollectorRegistry())
+        self.quotas = QuotaBook()
+        self.health_log = HealthEventLog()
+        prom = metrics_registry or CollectorRegistry()
+        self.metrics = RouterMetrics(prom)
         self._clock = clock
         self._ctx = context or zmq.Context.instance()
+        # KV-cache-aware routing (router/decide.py); the subscriber's sockets join the loop.
+        self.kv_events = KvEventSubscriber(
+            PrefixIndex(),
+            clock=clock,
+            silence_s=config.routing.kv_silence_s,
+            context=self._ctx,
+            metrics_registry=prom,
+        )
+        self.decider = Decider(
+            config.routing,
+            self.registry,
+            index=self.kv_events.index,
+            subscriber=self.kv_events,
+            metrics_registry=prom,
+        )
+        self.registry.on_add.append(self.decider.replica_added)
+        self.registry.on_remove.append(self.decider.replica_removed)
         self._stop = threading.Event()
         self._registry_sock: zmq.Socket | None = None
         self._routing_sock: zmq.Socket | None = None
+        self._auth: ThreadAuthenticator | None = None
         self.ready = threading.Event()
         self._published_models: set[str] = set()
 
     def bind(self) -> None:
-        self._registry_sock = self._bind(self.config.registry_bind)
+        # CURVE on the registry socket (router/curve.py); plain only on loopback unless allowed.
+        curve_dir = self.config.curve_dir
+        check_plain_bind(self.config.registry_bind, curve_dir, self.config.allow_plain_remote)
+        if curve_dir:
+            self._auth = start_authenticator(self._ctx, Path(curve_dir))
+        self._registry_sock = self._bind(self.config.registry_bind, curve_dir)
         self._routing_sock = self._bind(self.config.routing_bind)
         log.info(
             "router listening: registry %s, routing %s",
@@ -90,9 +132,11 @@ class RouterServer:
             self.config.routing_bind,
         )
 
-    def _bind(self, endpoint: str) -> zmq.Socket:
+    def _bind(self, endpoint: str, curve_dir: str = "") -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if curve_dir:
+            make_server(sock, Path(curve_dir))
         # An unreachable peer must not block the router: drop instead of queueing forever.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
@@ -112,11 +156,18 @@ class RouterServer:
         poller = zmq.Poller()
         poller.register(self._registry_sock, zmq.POLLIN)
         poller.register(self._routing_sock, zmq.POLLIN)
+        poller.register(self.kv_events.sub, zmq.POLLIN)
         tick_ms = int(min(self.config.lease_s / 4, 0.5) * 1000)
         self.ready.set()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(tick_ms))
+                replays = self.kv_events.replay_sockets()
+                events = dict(poller.poll(10 if replays else tick_ms))
+                if self.kv_events.sub in events:
+                    self.kv_events.drain()
+                for replay in replays:
+                    self.kv_events.on_replay(replay)
+                self.kv_events.tick()
                 if self._registry_sock in events:
                     self._drain(self._registry_sock, self._on_registry)
                 if self._routing_sock in events:
@@ -127,6 +178,9 @@ class RouterServer:
         finally:
             self._registry_sock.close(0)
             self._routing_sock.close(0)
+            self.kv_events.close()
+            if self._auth is not None:
+                self._auth.stop()
             log.info("router stopped")
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[zmq.Socket, bytes, bytes], None]) -> None:
@@ -156,17 +210,26 @@ class RouterServer:
             case p.Register():
                 self.metrics.registry_messages.labels("register").inc()
                 self.registry.register(msg, now)
+                self.adapters.on_register(msg, peer)
                 reply = p.RegistryAck(msg.replica_id, self.config.lease_s)
             case p.Heartbeat():
                 self.metrics.registry_messages.labels("heartbeat").inc()
                 if self.registry.heartbeat(msg.replica_id, msg.load, now):
+                    self.adapters.on_heartbeat(msg, peer)
                     reply = p.RegistryAck(msg.replica_id, self.config.lease_s)
                 else:
                     reply = p.ReRegister(msg.replica_id)
             case p.Deregister():
                 self.metrics.registry_messages.labels("deregister").inc()
                 self.registry.deregister(msg.replica_id, msg.reason)
+                self.adapters.forget(msg.replica_id)
                 reply = p.RegistryAck(msg.replica_id, 0.0)
+            case p.HealthReport():
+                reply = self._on_health_report(msg)
+            case p.AdapterLoaded():
+                self.metrics.registry_messages.labels("adapter_loaded").inc()
+                self.adapters.on_loaded(msg)
+                return
         sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
 
     def _on_routing(self, sock: zmq.Socket, peer: bytes, payload: bytes) -> None:
@@ -181,9 +244,7 @@ class RouterServer:
             case p.Route():
                 reply = self.route(msg)
             case p.Release():
-                replica = self.registry.get(msg.replica_id)
-                if replica is not None and replica.in_flight > 0:
-                    replica.in_flight -= 1
+                self.registry.released(msg.replica_id)
                 return
             case p.ListModels():
                 reply = p.ModelList(
@@ -191,22 +252,59 @@ class RouterServer:
                     [
                         p.ModelInfo(id=m, replicas=n)
                         for m, n in sorted(self.registry.models().items())
-                    ],
+                    ]
+                    + self.adapters.listing(self.registry),
                 )
             case p.ListReplicas():
                 now = self._clock()
                 reply = p.ReplicaList(msg.request_id, [r.info(now) for r in self.registry])
+            case p.QuotaReport():
+                reply = self.quotas.report(msg, self._clock())
+            case p.ListHealthEvents():
+                events = self.health_log.since(msg.epoch, msg.ack_seq)
+                reply = p.HealthEvents(msg.request_id, self.health_log.epoch, events)
         sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
 
+    def _on_health_report(self, msg: p.HealthReport) -> p.RegistryReply:
+        """Record the findings for the pool manager; stop routing to the replica at once
+        when one asks for stop_routing or worse (in-flight requests are not touched)."""
+        self.metrics.registry_messages.labels("health_report").inc()
+        self.health_log.add(msg, time.time())
+        for finding in msg.findings:
+            self.metrics.health_findings.labels(finding.check, finding.action).inc()
+        details = "; ".join(f.detail for f in msg.findings)
+        if severity(worst_action(msg.findings)) < severity("stop_routing"):
+            log.warning("replica %s health: %s", msg.replica_id, details)
+            return p.RegistryAck(msg.replica_id, self.config.lease_s)
+        self.registry.deregister(msg.replica_id, f"health: {details}")
+        self.adapters.forget(msg.replica_id)
+        return p.RegistryAck(msg.replica_id, 0.0)
+
     def route(self, msg: p.Route) -> p.RouteReply:
+        for replica_id in msg.released:
+            self.registry.released(replica_id)
         started = time.perf_counter()
         candidates = self.registry.for_model(msg.model)
-        replica = self.policy.pick(candidates)
+        adapter = not candidates and self.adapters.is_adapter(msg.model)
+        if adapter:
+            decision = self.adapters.route(msg.model, self.registry)
+            if decision.load is not None and self._registry_sock is not None:
+                self._registry_sock.send_multipart(
+                    [decision.peer, p.encode(decision.load)], zmq.NOBLOCK
+                )
+            if not decision.candidates:
+                self.metrics.routes.labels(decision.error).inc()
+                return p.RouteReply(msg.request_id, error=decision.error)
+            candidates = list(decision.candidates)
+        if msg.exclude:
+            candidates = [r for r in candidates if r.replica_id not in msg.exclude]
+        replica = self.decider.pick(msg, self._clock(), candidates)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if replica is None:
             self.metrics.routes.labels("no_replica").inc()
             return p.RouteReply(msg.request_id, error="no_replica")
-        replica.in_flight += 1
+        if adapter:
+            self.adapters.routed(replica.replica_id, msg.model)
         self.metrics.routes.labels("routed").inc()
         return p.RouteReply(msg.request_id, replica.replica_id, replica.spec.url)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,8 @@ API_KEY = "sk-e2e-test-key"
 MODEL = "tiny-chat"
 EMBED = "tiny-embed"
 RERANK = "tiny-rerank"
+# LoRA adapters of the chat model (issue 6): docs-a loaded at start, the others on demand.
+ADAPTERS = {"docs-a": 1, "docs-b": 2, "docs-c": 3}  # name -> seed
 SLURM_PORT = 36817
 
 
@@ -47,6 +50,7 @@ SLURM_PORT = 36817
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, PlatformConfig]]:
     state = tmp_path_factory.mktemp("e2e") / "state"
     state.mkdir()
+    _register_chat_model_and_adapters(state)
     config = PlatformConfig(
         state_dir=str(state),
         router=RouterConfig(
@@ -76,15 +80,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
                 model_ref=f"{MODEL}@1",  # registered by `up`, staged by the job
                 replicas=1,
                 engine="vllm-cpu",
-                engine_args=["--dtype", "float32", "--max-model-len", "1024"],
+                engine_args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"],
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                max_loras=2,
+                max_lora_rank=8,
+                lora_adapters=["docs-a"],
             ),
             *(
                 PoolConfig(
                     name=name,
                     model_path=str(make_tiny_model(kind, state / "models" / name)),
                     engine="vllm-cpu",
-                    engine_args=["--dtype", "float32", "--max-model-len", "512"],
+                    engine_args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"],
                     env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                 )
                 for name, kind in ((EMBED, "embed"), (RERANK, "rerank"))
@@ -101,6 +108,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
         up.down()
 
 
+def _register_chat_model_and_adapters(state: Path) -> None:
+    from hpcserve.modelcache.manifest import build_manifest
+    from hpcserve.modelcache.registry import Registry
+
+    chat = make_tiny_model("chat", state / "models" / MODEL)
+    with Registry(state / "registry.sqlite3") as registry:
+        registry.add_version(MODEL, str(chat), build_manifest(chat))
+        for name, seed in ADAPTERS.items():
+            adapter = make_tiny_model("lora", state / "adapters" / name, seed=seed)
+            registry.add_adapter(name, MODEL, str(adapter), build_manifest(adapter), rank=8)
+
+
 @pytest.fixture(scope="module")
 def client(stack: tuple[Stack, PlatformConfig]) -> openai.OpenAI:
     _, config = stack
@@ -113,7 +132,8 @@ def client(stack: tuple[Stack, PlatformConfig]) -> openai.OpenAI:
 
 
 def test_models_lists_every_pool_model(client: openai.OpenAI) -> None:
-    assert sorted(m.id for m in client.models.list()) == [MODEL, EMBED, RERANK]
+    models = client.models.list()
+    assert sorted(m.id for m in models if m.id not in ADAPTERS) == [MODEL, EMBED, RERANK]
 
 
 def test_chat_completion_served_by_vllm_in_a_slurm_job(client: openai.OpenAI) -> None:
@@ -192,7 +212,9 @@ def test_raw_stream_ends_with_done(stack: tuple[Stack, PlatformConfig]) -> None:
 
 def test_errors_are_openai_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as err:
-        client.chat.completions.create(model="no-such-model", messages=[], max_tokens=1)
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
     assert err.value.body["code"] == "model_not_found"  # type: ignore[index]
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -247,6 +269,265 @@ def test_score_pairs_and_a_chat_model_refuses_embeddings(
     with pytest.raises(openai.APIStatusError) as err:
         client.embeddings.create(model=MODEL, input=["x"])
     assert 400 <= err.value.status_code < 500
+
+
+# -- Multi-LoRA (issue 6): one chat replica, max_loras 2, docs-a static, the rest on demand
+
+
+def _greedy(client: openai.OpenAI, model: str) -> tuple[str, str]:
+    reply = client.completions.create(
+        model=model, prompt="The cluster", max_tokens=8, temperature=0
+    )
+    return reply.model, reply.choices[0].text
+
+
+def _adapter_listing(config: PlatformConfig) -> dict[str, tuple[int, str]]:
+    response = httpx.get(
+        f"http://127.0.0.1:{config.gateway.port}/v1/models",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    return {
+        m["id"]: (m["replicas"], m.get("parent", ""))
+        for m in response.json()["data"]
+        if m["id"] in ADAPTERS
+    }
+
+
+def test_lora_static_adapter_is_served_and_answers_unlike_the_base(
+    stack: tuple[Stack, PlatformConfig], client: openai.OpenAI
+) -> None:
+    _, config = stack
+    # Every registered adapter of the chat model is listed; only docs-a is loaded now.
+    assert _adapter_listing(config) == {
+        "docs-a": (1, MODEL),
+        "docs-b": (0, MODEL),
+        "docs-c": (0, MODEL),
+    }
+    base_model, base = _greedy(client, MODEL)
+    adapter_model, adapted = _greedy(client, "docs-a")
+    assert (base_model, adapter_model) == (MODEL, "docs-a")
+    assert adapted != base
+
+
+def test_lora_adapter_loaded_on_demand_then_least_recently_used_unloaded(
+    stack: tuple[Stack, PlatformConfig], client: openai.OpenAI
+) -> None:
+    _, config = stack
+    _, a = _greedy(client, "docs-a")
+    model, b = _greedy(client, "docs-b")  # not loaded: the router has the engine load it
+    assert model == "docs-b" and b != a
+    assert _adapter_listing(config)["docs-b"] == (1, MODEL)
+    # Two loaded (max_loras 2), docs-a the least recently used: docs-c takes its place.
+    _greedy(client, "docs-b")
+    assert _greedy(client, "docs-c")[0] == "docs-c"
+    assert _adapter_listing(config) == {
+        "docs-a": (0, MODEL),
+        "docs-b": (1, MODEL),
+        "docs-c": (1, MODEL),
+    }
+    # docs-a comes back on demand, the same weights: the same greedy answer.
+    assert _greedy(client, "docs-a") == ("docs-a", a)
+    (log,) = Path(config.slurm.log_dir).glob(f"hpcserve-{MODEL}-*.out")
+    text = log.read_text()
+    cache = config.engine.cache_dir
+    assert f"adapter docs-a staged at {cache}/docs-a@1-" in text  # static, before vLLM
+    assert f"adapter docs-b staged at {cache}/docs-b@1-" in text  # on demand
+    assert "LoRA adapter docs-a unloaded" in text
+
+
+# -- Batch API (issue 10): a small batch of chat and one of embeddings, run by real vLLM ------
+
+
+def _run_batch(client: openai.OpenAI, endpoint: str, bodies: list[dict[str, object]]) -> list:
+    data = b"".join(
+        json.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": endpoint, "body": body})
+        .encode() + b"\n"
+        for i, body in enumerate(bodies)
+    )  # fmt: skip
+    upload = client.files.create(file=("batch.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id,
+        endpoint=endpoint,  # type: ignore[arg-type]
+        completion_window="24h",
+    )
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status not in (
+        "completed", "failed", "expired", "cancelled"
+    ):  # fmt: skip
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.5)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (len(bodies), 0)
+    assert batch.output_file_id is not None and batch.error_file_id is None
+    content = client.files.content(batch.output_file_id).content
+    output = [json.loads(line) for line in content.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == [f"doc-{i}" for i in range(len(bodies))]
+    return sorted(output, key=lambda o: o["custom_id"])
+
+
+def test_batch_of_chat_requests_runs_on_vllm(client: openai.OpenAI) -> None:
+    bodies = [
+        {"model": MODEL, "max_tokens": 8, "temperature": 0,
+         "messages": [{"role": "user", "content": f"Extract the consignee of document {i}"}]}
+        for i in range(6)
+    ]  # fmt: skip
+    output = _run_batch(client, "/v1/chat/completions", bodies)
+    for line in output:
+        assert line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion" and body["model"] == MODEL
+        assert body["usage"]["completion_tokens"] > 0
+
+
+def test_batch_of_embeddings_runs_on_vllm(client: openai.OpenAI) -> None:
+    output = _run_batch(
+        client, "/v1/embeddings", [{"model": EMBED, "input": f"line {i}"} for i in range(4)]
+    )
+    for line in output:
+        data = line["response"]["body"]["data"]
+        assert len(data) == 1 and len(data[0]["embedding"]) > 0
+
+
+# -- Gateway (issue 5): structured output and sampling options pass through to vLLM ---------
+
+YES_NO = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_output_is_guided_by_vllm(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is this a bill of lading?"}],
+        max_tokens=48,
+        temperature=0,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "yes_no", "schema": YES_NO, "strict": True},
+        },
+    )
+    content = reply.choices[0].message.content or ""
+    if reply.choices[0].finish_reason == "stop":
+        assert json.loads(content)["answer"] in ("yes", "no")
+    else:  # a random tiny model may pad with whitespace; what it wrote still follows the schema
+        assert "".join(content.split()).startswith('{"answer"')
+
+
+def test_an_invalid_json_schema_is_a_400_naming_the_problem(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "objekt"}},
+            },
+        )
+    assert "response_format.json_schema.schema" in str(err.value)
+
+
+def test_n_stop_logprobs_seed_and_max_completion_tokens_pass_through(
+    client: openai.OpenAI,
+) -> None:
+    messages = [{"role": "user", "content": "Count to ten"}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        n=2,
+        max_completion_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=1.0,
+        seed=7,
+    )
+    assert len(reply.choices) == 2
+    assert reply.usage is not None and reply.usage.completion_tokens <= 6
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content
+    assert len(logprobs.content[0].top_logprobs) == 2
+
+    def sampled(seed: int) -> str | None:
+        return (
+            client.completions.create(
+                model=MODEL, prompt="The port", max_tokens=6, temperature=1.0, seed=seed
+            )
+            .choices[0]
+            .text
+        )
+
+    assert sampled(11) == sampled(11)
+    first = client.completions.create(model=MODEL, prompt="The port", max_tokens=6, temperature=0)
+    text = first.choices[0].text
+    stop = text.strip()[:2] if text.strip() else None
+    if stop:
+        stopped = client.completions.create(
+            model=MODEL, prompt="The port", max_tokens=6, temperature=0, stop=[stop]
+        )
+        assert stop not in stopped.choices[0].text
+        assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_gateway_metrics_count_streamed_tokens_and_time_to_first_token(
+    stack: tuple[Stack, PlatformConfig], client: openai.OpenAI
+) -> None:
+    _, config = stack
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=5, stream=True
+    )
+    chunks = list(stream)
+    assert all(c.usage is None for c in chunks), "usage the client did not ask for is hidden"
+    metrics = httpx.get(f"http://127.0.0.1:{config.gateway.port}/metrics", timeout=10).text
+    assert f'hpcserve_gateway_time_to_first_token_seconds_count{{model="{MODEL}"}}' in metrics
+    assert f'direction="out",model="{MODEL}",tenant="e2e"' in metrics
+
+
+# -- KV-cache-aware routing (issue 4): vLLM's KV events reach the router's prefix index ------
+
+
+def _router_counter(config: PlatformConfig, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{config.router.metrics_port}/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def test_kv_events_from_vllm_fill_the_index_and_a_repeated_prompt_hits_it(
+    stack: tuple[Stack, PlatformConfig], client: openai.OpenAI
+) -> None:
+    from hpcserve.router.prompt_tokens import PromptTokenizer
+
+    _, config = stack
+    messages = [
+        {"role": "system", "content": "You answer questions about the router. " * 14},
+        {"role": "user", "content": "Which replica holds this prefix?"},
+    ]
+    tokens = PromptTokenizer.from_dir(Path(config.state_dir) / "models" / MODEL).chat_tokens(
+        messages
+    )
+    full_blocks = len(tokens) // 128  # vLLM CPU's block size
+    assert full_blocks >= 2
+    stored = _router_counter(config, "hpcserve_router_kv_blocks_stored_total")
+    cached = _router_counter(config, "hpcserve_router_cached_prompt_tokens_total")
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    # The gateway tokenized exactly what vLLM prefilled.
+    assert first.usage is not None and first.usage.prompt_tokens == len(tokens)
+    deadline = time.monotonic() + 30
+    while _router_counter(config, "hpcserve_router_kv_blocks_stored_total") < stored + full_blocks:
+        assert time.monotonic() < deadline, "no BlockStored events reached the router"
+        time.sleep(0.2)
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    # Our hashes of the prompt matched our hashes of vLLM's token_ids, block for block.
+    hit = _router_counter(config, "hpcserve_router_cached_prompt_tokens_total") - cached
+    assert hit == full_blocks * 128
 
 
 def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig]) -> None:

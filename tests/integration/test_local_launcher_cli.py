@@ -53,7 +53,7 @@ def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
                     "name": "tiny-chat",
                     "model_path": str(state / "models" / "tiny-chat"),
                     "engine": "vllm-cpu",
-                    "engine_args": ["--dtype", "float32", "--max-model-len", "512"],
+                    "engine_args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"],
                 }
             ],
         }

@@ -202,7 +202,7 @@ def test_vllm_tensor_parallel_across_two_nodes_serves_and_drains(
         "engine": "vllm-cpu",
         "model_path": str(model),
         "tensor_parallel": 2,
-        "engine_args": ["--dtype", "float32", "--max-model-len", "512"],
+        "engine_args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"],
         "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
     }
     replica = replica_for("mn3", pool)

@@ -53,11 +53,17 @@ def test_401_without_a_valid_key(client, headers, message):
 @pytest.mark.parametrize(
     ("body", "status", "param", "message"),
     [
-        (b"{not json", 400, None, "not a JSON object"),
+        (b"{not json", 400, None, "not valid JSON"),
         (b"[1, 2]", 400, None, "not a JSON object"),
-        (b'{"messages": []}', 400, "model", "'model' is required"),
-        (b'{"model": "tiny", "stream": "yes"}', 400, "stream", "'stream' must be a boolean"),
-        (b'{"model": "gpt-9"}', 404, "model", "The model 'gpt-9' does not exist"),
+        (b'{"messages": [{"role": "user"}]}', 400, "model", "'model' is required"),
+        (b'{"model": "tiny", "messages": []}', 400, "messages", "expected array of length >= 1"),
+        (b'{"model": "tiny", "stream": "yes"}', 400, "stream", "stream: expected bool, got str"),
+        (
+            b'{"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}',
+            404,
+            "model",
+            "The model 'gpt-9' does not exist",
+        ),
         (b'{"model": "' + b"x" * 2000 + b'"}', 413, None, "exceeds the limit of 1000 bytes"),
     ],
 )
@@ -84,7 +90,8 @@ def test_unreachable_replica_is_502_and_releases_in_flight(client, router):
     assert error_of(response)["code"] == "upstream_unreachable"
     metrics = client.get("/metrics").text
     assert (
-        'hpcserve_gateway_requests_total{endpoint="chat",model="tiny",status="502"} 1.0' in metrics
+        'hpcserve_gateway_requests_total{endpoint="chat",model="tiny",status="502",tenant="t"} 1.0'
+        in metrics
     )
     assert "hpcserve_gateway_in_flight 0.0" in metrics
 

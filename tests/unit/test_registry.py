@@ -1,6 +1,3 @@
-import random
-
-from hpcserve.router.policy import LeastLoad
 from hpcserve.router.protocol import Register, ReplicaLoad
 from hpcserve.router.registry import Registry
 
@@ -43,14 +40,15 @@ def test_re_registration_keeps_in_flight_count_but_a_changed_spec_replaces():
     assert moved.in_flight == 0 and r.models() == {"other": 1}
 
 
-def test_least_load_prefers_idle_and_spreads_ties():
+def test_a_repeated_register_with_new_load_or_adapters_keeps_the_replica():
     r = Registry(lease_s=6.0)
-    for rid in "abc":
-        r.register(reg(rid), now=0.0)
-    policy = LeastLoad(random.Random(1))
-    r.get("a").in_flight = 2
-    picks = {policy.pick(r.for_model("m")).replica_id for _ in range(50)}
-    assert picks == {"b", "c"}
-    r.get("b").load = ReplicaLoad(waiting=5)
-    assert {policy.pick(r.for_model("m")).replica_id for _ in range(20)} == {"c"}
-    assert policy.pick([]) is None
+    removed: list[str] = []
+    r.on_remove.append(removed.append)
+    first = r.register(reg("a"), now=0.0)
+    first.in_flight = 2
+    again = r.register(
+        Register("a", "m", "http://a", load=ReplicaLoad(running=4), adapters=["x"]), now=1.0
+    )
+    assert again is first and removed == []
+    assert again.in_flight == 2 and again.load.running == 4 and again.spec.adapters == ["x"]
+    assert again.queued == 2

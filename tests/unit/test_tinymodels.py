@@ -375,3 +375,49 @@ def test_module_imports_no_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+# -- the LoRA kind
+
+
+def test_lora_adapter_fits_the_chat_model_and_changes_its_answers(
+    models: dict[str, Path], tmp_path: Path
+) -> None:
+    adapter = make_tiny_model("lora", tmp_path / "lora", seed=1)
+    assert {p.name for p in adapter.iterdir()} == {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "README.md",
+    }
+    config = read_json(adapter / "adapter_config.json")
+    assert (config["peft_type"], config["task_type"], config["r"]) == ("LORA", "CAUSAL_LM", 8)
+    model = transformers.AutoModelForCausalLM.from_pretrained(models["chat"])
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        before = model(ids).logits.argmax(-1)
+    shapes, _ = tensor_shapes(adapter / "adapter_model.safetensors")
+    modules = dict(model.named_modules())
+    scale = config["lora_alpha"] / config["r"]
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+        a_names = [n for n in shapes if n.endswith(".lora_A.weight")]
+        assert len(a_names) == 2 * len(config["target_modules"])  # every target of 2 layers
+        for a_name in a_names:
+            target = a_name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            linear = modules[target]
+            assert target.rsplit(".", 1)[1] in config["target_modules"]
+            a, b = f.get_tensor(a_name), f.get_tensor(a_name.replace("lora_A", "lora_B"))
+            assert a.shape == (8, linear.in_features) and b.shape == (linear.out_features, 8)
+            with torch.no_grad():
+                linear.weight += scale * b @ a  # what PEFT and vLLM compute, merged
+    with torch.no_grad():
+        after = model(ids).logits.argmax(-1)
+    assert not torch.equal(before, after), "the adapter should change greedy answers"
+
+
+def test_lora_seeds_make_different_adapters(tmp_path: Path) -> None:
+    one = make_tiny_model("lora", tmp_path / "a", seed=1)
+    again = make_tiny_model("lora", tmp_path / "b", seed=1)
+    other = make_tiny_model("lora", tmp_path / "c", seed=2)
+    weights = "adapter_model.safetensors"
+    assert (one / weights).read_bytes() == (again / weights).read_bytes()
+    assert (one / weights).read_bytes() != (other / weights).read_bytes()

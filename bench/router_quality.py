@@ -1,0 +1,137 @@
+"""Routing quality on the simulated fleet: kv-aware against least-load and round-robin.
+
+For each workload (doc-extraction: many users sharing long per-customer contexts;
+multi-turn: low reuse, each session's own growing prefix; system-prompt: one shared
+system prompt) and each policy, a fresh simulated fleet (bench/simfleet.py: the real
+router and gateway, REPLICAS simulated vLLM engines publishing KV events) serves the same
+open-loop workload (bench/workload.py). Reported: prefix-cache hit rate (cached prompt
+tokens / prompt tokens, from usage) and the oracle's (one infinite cache, in 16-token
+blocks, same request order), TTFT p50/p90, output tokens/s, and the largest share of
+requests one replica took.
+
+    .venv/bin/python bench/router_quality.py [--replicas 8] [--requests 200] [--rate 8]
+
+Writes bench/results/router_quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.simfleet import sim_stack  # noqa: E402
+from bench.workload import SLO, build, run_workload, summarize  # noqa: E402
+
+BLOCK = 16
+
+
+def oracle_hit_rate(token_lists: list[list[int]]) -> float:
+    """Hit rate of one infinite prefix cache of BLOCK-token blocks, requests in order."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for tokens in token_lists:
+        total += len(tokens)
+        full = len(tokens) // BLOCK
+        matched = True
+        for i in range(full):
+            key = tuple(tokens[: (i + 1) * BLOCK])
+            if matched and key in seen:
+                hits += BLOCK
+            else:
+                matched = False
+            seen.add(key)
+    return hits / total if total else 0.0
+
+
+def replica_shares(urls: list[str]) -> list[float]:
+    counts = []
+    for url in urls:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        counts.append(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("vllm:request_success_total")
+            )
+        )
+    total = sum(counts) or 1.0
+    return [c / total for c in counts]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--rate", type=float, default=8.0)
+    ap.add_argument("--workloads", default="doc-extraction,multi-turn,system-prompt")
+    ap.add_argument("--policies", default="kv-aware,least-load,round-robin")
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument(
+        "--routing",
+        default="{}",
+        help='other router.routing keys, JSON: {"tokens_per_request": 128}',
+    )
+    args = ap.parse_args()
+    rows = []
+    for workload in args.workloads.split(","):
+        oracle = None
+        for policy in args.policies.split(","):
+            with sim_stack(
+                args.replicas,
+                policy=policy,
+                routing=json.loads(args.routing),
+                time_scale=args.time_scale,
+            ) as stack:
+                specs = build(
+                    workload,
+                    model=stack.model,
+                    rate=args.rate,
+                    requests=args.requests,
+                    seed=1,
+                    count_tokens=stack.count_tokens,
+                )
+                if oracle is None:
+                    stack.count_tokens("")  # loads the tokenizer
+                    oracle = oracle_hit_rate([stack._tokenizer.chat_ids(s.messages) for s in specs])
+                results = asyncio.run(
+                    run_workload(specs, stack.base_url, model=stack.model, api_key=stack.api_key)
+                )
+                summary = summarize(results, SLO(ttft_s=0.5, tpot_s=0.05))
+                shares = replica_shares(stack.replica_urls)
+            row = {
+                "workload": workload,
+                "policy": policy,
+                "oracle_hit_rate": oracle,
+                "max_replica_share": max(shares),
+                **asdict(summary),
+            }
+            rows.append(row)
+            print(
+                f"| {workload} | {policy} | {summary.cached_share:.1%} | {oracle:.1%} | "
+                f"{summary.ttft_p50_s * 1e3:.0f} ms | {summary.ttft_p90_s * 1e3:.0f} ms | "
+                f"{summary.output_tps:.0f} | {max(shares):.0%} | {summary.ok}/{summary.requests} |",
+                flush=True,
+            )
+    out = {
+        "rows": rows,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}",
+        "command": " ".join(["bench/router_quality.py", *sys.argv[1:]]),
+    }
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / "router_quality.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Run one batch request the way the gateway runs an interactive one: ask the router for a
+replica (at batch priority), relay the body to it, hand back the engine's answer.
+
+Outcomes: an `EngineReply` (any HTTP status the engine chose; final), `NoReplica` (the
+model is configured but nothing serves it now: wait, it does not count as a failure) or
+`ReplicaFailed` (unreachable, timed out, or a 5xx: retried up to `batch.max_attempts`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from hpcserve.gateway import errors
+from hpcserve.gateway.routing_client import RouterUnavailable
+
+if TYPE_CHECKING:
+    from hpcserve.gateway.app import Gateway
+
+_GENERATING = ("/v1/chat/completions", "/v1/completions")
+_payload = msgspec.json.Decoder(dict[str, Any])
+
+
+class EngineReply(msgspec.Struct, frozen=True):
+    status_code: int
+    body: bytes
+    replica_id: str = ""
+
+
+class NoReplica(Exception):
+    pass
+
+
+class ReplicaFailed(Exception):
+    def __init__(self, message: str, replica_id: str = "") -> None:
+        super().__init__(message)
+        self.replica_id = replica_id
+
+
+def _error_body(err: errors.APIError) -> bytes:
+    return msgspec.json.encode(
+        {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+    )
+
+
+class _Exchange:
+    """What the relay reports about one batch request: the replica is released when done."""
+
+    __slots__ = ("_release", "status")
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+        self.status = 0
+
+    def first_byte(self) -> None:
+        pass
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        pass  # read from the stored body instead, with the rest of the result
+
+    def done(self, status: int) -> None:
+        self.status = status
+        self.release()
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+class GatewayExecutor:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]:
+        """The prompt's block hashes for prefix-aware routing, as the gateway computes them for
+        interactive requests; tokenized in a thread, so the batch never stalls the event loop
+        that interactive requests share."""
+        hints = self.gateway.route_hints
+        if hints is None or path not in _GENERATING or model not in hints:
+            return {}
+        return await asyncio.to_thread(hints.hints, model, _payload.decode(body), {})
+
+    async def execute(
+        self,
+        model: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        exclude: list[str],
+        hints: dict[str, Any],
+    ) -> EngineReply:
+        routing = self.gateway.routing
+        try:
+            decision = await routing.route(model, priority="batch", exclude=exclude, **hints)
+        except RouterUnavailable as err:
+            raise NoReplica(str(err)) from None
+        if not decision.replica_id:
+            if model not in self.gateway.configured_models and not exclude:
+                return EngineReply(404, _error_body(errors.model_not_found(model)))
+            raise NoReplica(f"no replica of {model!r} is serving ({decision.error})")
+        replica = decision.replica_id
+        exchange = _Exchange(lambda: routing.release(replica))
+        try:
+            response = await self.gateway.relay.forward(
+                decision.url + path,
+                body,
+                {"Content-Type": "application/json", "x-request-id": request_id},
+                stream=False,
+                exchange=exchange,
+            )
+        except errors.APIError as err:
+            exchange.release()
+            raise ReplicaFailed(err.message, replica) from None
+        if response.status_code >= 500:
+            raise ReplicaFailed(
+                f"the engine answered {response.status_code}: {bytes(response.body)[:200]!r}",
+                replica,
+            )
+        return EngineReply(response.status_code, bytes(response.body), replica)

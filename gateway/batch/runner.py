@@ -1,0 +1,576 @@
+"""Executes batches: every active batch in the store, resumed after any restart.
+
+One task per batch walks its input file, skipping lines that already have a stored
+result, and starts a request per line when its model has a free slot (`PoolSlots`) and
+its tenant has batch tokens left (`TokenRate`). Finished requests go to one committer
+task, which stores them in group commits; a result counts only once committed. A batch
+ends when every line has a result (completed), or when it is cancelled or its window
+passes (no new requests; those in flight finish; then cancelled or expired, with the
+lines that never ran in the error file).
+
+Failure modes: a crash loses only the results not yet committed; those lines run again
+on restart, so an engine may see a request twice but the output holds it once. Only the
+gateway holding the lock file runs batches; others serve the API and wait for the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from hpcserve.config import BatchConfig, TenantConfig
+from hpcserve.gateway.batch.execute import EngineReply, NoReplica, ReplicaFailed
+from hpcserve.gateway.batch.limiter import TokenRate
+from hpcserve.gateway.batch.slots import ModelSlots, PoolSlots
+from hpcserve.gateway.batch.store import ACTIVE, BatchError, BatchRecord, BatchStore, Result
+from hpcserve.gateway.batch.validate import RequestLine, request_line_decoder
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+COMMIT_MAX = 512
+NO_REPLICA_WAIT_MAX_S = 5.0
+
+
+class Executor(Protocol):
+    async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]: ...
+
+    async def execute(
+        self,
+        model: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        exclude: list[str],
+        hints: dict[str, Any],
+    ) -> EngineReply: ...
+
+
+class BatchMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "hpcserve_batch_requests_total",
+            "Batch requests finished, by outcome (completed, failed)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "hpcserve_batch_retries_total",
+            "Batch requests retried after a replica failure",
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "hpcserve_batch_tokens_total",
+            "Tokens of finished batch requests, by kind (input, output)",
+            ["kind"],
+            registry=registry,
+        )
+        self.in_flight = Gauge(
+            "hpcserve_batch_in_flight", "Batch requests sent to engines now", registry=registry
+        )
+        self.active = Gauge(
+            "hpcserve_batch_active", "Batches this gateway is running", registry=registry
+        )
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Reply(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_reply = msgspec.json.Decoder(_Reply)
+
+
+class _Model(msgspec.Struct):
+    model: str = ""
+
+
+_model = msgspec.json.Decoder(_Model)
+
+
+def result_of(number: int, custom_id: str, request_id: str, reply: EngineReply) -> Result:
+    """A stored result from an engine's answer; a body that is not JSON is kept as a string."""
+    body = reply.body
+    try:
+        usage = _reply.decode(body).usage or _Usage()
+    except msgspec.DecodeError:
+        body, usage = msgspec.json.encode(body.decode("utf-8", "replace")), _Usage()
+    return Result(
+        line=number,
+        custom_id=custom_id,
+        status_code=reply.status_code,
+        request_id=request_id,
+        body=body,
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+    )
+
+
+class Committer:
+    """Stores results in group commits; `record` returns once its result is on disk."""
+
+    def __init__(self, store: BatchStore, metrics: BatchMetrics) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._queue: asyncio.Queue[tuple[str, Result, asyncio.Future[None]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="batch-committer")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def record(self, batch_id: str, result: Result) -> None:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._queue.put((batch_id, result, done))
+        await done
+
+    async def _run(self) -> None:
+        while True:
+            items = [await self._queue.get()]
+            while len(items) < COMMIT_MAX and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            by_batch: dict[str, list[Result]] = {}
+            for batch_id, result, _ in items:
+                by_batch.setdefault(batch_id, []).append(result)
+            try:
+                await asyncio.to_thread(self._commit, by_batch)
+            except Exception as err:  # disk full, ...: those lines run again later
+                log.error("storing %d batch results failed: %s", len(items), err)
+                for _, _, done in items:
+                    if not done.done():
+                        done.set_exception(err)
+                continue
+            for _, result, done in items:
+                self._metrics.requests.labels("completed" if result.succeeded else "failed").inc()
+                self._metrics.tokens.labels("input").inc(result.input_tokens)
+                self._metrics.tokens.labels("output").inc(result.output_tokens)
+                if not done.done():
+                    done.set_result(None)
+
+    def _commit(self, by_batch: dict[str, list[Result]]) -> None:
+        for batch_id, results in by_batch.items():
+            self._store.record_results(batch_id, results)
+
+
+class _Stop(Exception):
+    pass
+
+
+class BatchJob:
+    def __init__(self, runner: BatchRunner, record: BatchRecord) -> None:
+        self.runner = runner
+        self.record = record
+        self.reason: str | None = None  # "cancelled" or "expired" once stopping
+        self._stopped = asyncio.Event()
+        self._in_flight: set[asyncio.Task[None]] = set()
+
+    def stop(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            log.info("batch %s: stopping (%s)", self.record.id, reason)
+        self._stopped.set()
+
+    async def _unless_stopped(self, wait: Callable[[], object]) -> None:
+        """Await wait() unless the batch stops first (then raise _Stop)."""
+        if self.reason is not None:
+            raise _Stop
+        waiter = asyncio.ensure_future(wait())  # type: ignore[arg-type]
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait((waiter, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            await asyncio.gather(waiter, return_exceptions=True)
+            raise _Stop
+        waiter.result()
+
+    def abort(self) -> None:
+        """Drop the requests in flight (gateway shutdown): they run again at the next start."""
+        for task in list(self._in_flight):
+            task.cancel()
+
+    async def run(self) -> None:
+        store = self.runner.store
+        # The record the supervisor saw may be stale: this batch may have just ended.
+        record = self.record = await asyncio.to_thread(store.get_batch, self.record.id)
+        if record.status not in ACTIVE:
+            return
+        loop = asyncio.get_running_loop()
+        expiry = loop.call_later(max(0.0, record.expires_at - time.time()), self.stop, "expired")
+        try:
+            if record.status == "cancelling":
+                self.stop("cancelled")
+            if record.status == "validating" and self.reason is None:
+                problems = await asyncio.to_thread(self.runner.check_input, record)
+                if problems:
+                    final = await asyncio.to_thread(
+                        store.update_batch,
+                        record.id,
+                        status="failed",
+                        failed_at=int(time.time()),
+                        errors=problems,
+                    )
+                    log.info("batch %s: failed validation (%s)", record.id, problems[0].message)
+                    self.record = final
+                    return
+                record = self.record = await asyncio.to_thread(
+                    store.update_batch,
+                    record.id,
+                    status="in_progress",
+                    in_progress_at=int(time.time()),
+                )
+                log.info("batch %s: in_progress, %d requests", record.id, record.total)
+            if record.status == "in_progress":
+                await self._execute()
+            await self._finish()
+        finally:
+            expiry.cancel()
+
+    async def _execute(self) -> None:
+        record = self.record
+        done = await asyncio.to_thread(self.runner.store.done_lines, record.id)
+        try:
+            async with contextlib.aclosing(self._pending_lines(done)) as lines:
+                await self._dispatch(lines)
+        except _Stop:
+            pass
+        if self._in_flight:
+            await asyncio.gather(*self._in_flight, return_exceptions=True)
+
+    async def _dispatch(self, lines: AsyncIterator[tuple[int, _Line]]) -> None:
+        record = self.record
+        async for number, line in lines:
+            slots = self.runner.slots.for_model(line.model)
+            await self._unless_stopped(slots.acquire)
+            try:
+                await self._unless_stopped(self.runner.limiter(record.tenant).admit)
+            except _Stop:
+                slots.release()
+                raise
+            task = asyncio.create_task(self._one(number, line.request, line.model, slots))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _pending_lines(self, done: set[int]) -> AsyncIterator[tuple[int, _Line]]:
+        lines = self.runner.store.input_lines(self.record.input_file_id)
+        chunk = 256
+
+        def next_chunk() -> list[tuple[int, _Line]]:
+            out: list[tuple[int, _Line]] = []
+            for number, raw in lines:
+                if number in done:
+                    continue
+                request = request_line_decoder.decode(raw)
+                out.append((number, _Line(request, _model.decode(request.body).model)))
+                if len(out) == chunk:
+                    break
+            return out
+
+        try:
+            while batch := await asyncio.to_thread(next_chunk):
+                for item in batch:
+                    yield item
+        finally:
+            lines.close()
+
+    async def _one(self, number: int, request: RequestLine, model: str, slots: ModelSlots) -> None:
+        runner = self.runner
+        request_id = f"req_{secrets.token_hex(12)}"
+        attempts = 0
+        exclude: list[str] = []
+        result: Result | None = None
+        body = bytes(request.body)
+        try:
+            hints = await runner.executor.route_hints(model, request.url, body)
+            while result is None:
+                try:
+                    runner.metrics.in_flight.inc()
+                    try:
+                        reply = await runner.executor.execute(
+                            model, request.url, body, request_id, exclude=exclude, hints=hints
+                        )
+                    finally:
+                        runner.metrics.in_flight.dec()
+                    result = result_of(number, request.custom_id, request_id, reply)
+                except NoReplica:
+                    if exclude:  # only replicas that failed it are left: try them again
+                        exclude = []
+                    else:
+                        await self._unless_stopped(
+                            lambda: asyncio.sleep(
+                                min(NO_REPLICA_WAIT_MAX_S, runner.config.retry_backoff_s)
+                            )
+                        )
+                except ReplicaFailed as err:
+                    attempts += 1
+                    if attempts >= runner.config.max_attempts:
+                        result = Result(
+                            line=number,
+                            custom_id=request.custom_id,
+                            status_code=0,
+                            request_id=request_id,
+                            error_code="replica_failed",
+                            error_message=f"failed {attempts} times; last: {err}",
+                        )
+                        break
+                    runner.metrics.retries.inc()
+                    log.info(
+                        "batch %s line %d: attempt %d failed (%s); retrying",
+                        self.record.id,
+                        number,
+                        attempts,
+                        err,
+                    )
+                    exclude = [err.replica_id] if err.replica_id else []
+                    delay = runner.config.retry_backoff_s * 2 ** (attempts - 1)
+                    await self._unless_stopped(lambda d=delay: asyncio.sleep(d))
+            runner.limiter(self.record.tenant).charge(result.input_tokens + result.output_tokens)
+            # The slot is held until the result is stored: answered-but-unstored work (what a
+            # crash makes an engine redo) stays within the concurrency bound.
+            await runner.committer.record(self.record.id, result)
+        except _Stop:
+            pass  # never answered: reported as cancelled/expired when the batch ends
+        except Exception:
+            # Not stored: the line runs again when the batch is picked up again.
+            log.exception("batch %s line %d: request failed unexpectedly", self.record.id, number)
+        finally:
+            slots.release()
+
+    async def _finish(self) -> None:
+        store = self.runner.store
+        current = await asyncio.to_thread(store.get_batch, self.record.id)
+        if current.status == "cancelling" or self.reason == "cancelled":
+            status, code, message = (
+                "cancelled",
+                "batch_cancelled",
+                "The batch was cancelled before this request ran.",
+            )
+        elif self.reason == "expired":
+            status, code, message = (
+                "expired",
+                "batch_expired",
+                "This request could not be executed before the completion window expired.",
+            )
+        else:
+            status, code, message = "completed", None, ""
+            if current.completed + current.failed < current.total:
+                # Some results were not stored (a failed commit): run those lines again.
+                log.warning(
+                    "batch %s: %d of %d results stored; running the rest again",
+                    current.id,
+                    current.completed + current.failed,
+                    current.total,
+                )
+                await asyncio.sleep(POLL_S)
+                return
+            if current.status != "finalizing":
+                current = await asyncio.to_thread(
+                    store.update_batch,
+                    current.id,
+                    status="finalizing",
+                    finalizing_at=int(time.time()),
+                )
+        final = await asyncio.to_thread(
+            store.finish, current, status=status, unfinished_code=code, unfinished_message=message
+        )
+        self.record = final
+        log.info(
+            "batch %s: %s (%d completed, %d failed of %d)",
+            final.id,
+            status,
+            final.completed,
+            final.failed,
+            final.total,
+        )
+
+
+class _Line(msgspec.Struct, frozen=True):
+    request: RequestLine
+    model: str
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        store: BatchStore,
+        executor: Executor,
+        config: BatchConfig,
+        *,
+        tenants: dict[str, TenantConfig],
+        metrics: BatchMetrics,
+        replica_counts: Callable[[], object] | None = None,
+    ) -> None:
+        self.store = store
+        self.executor = executor
+        self.config = config
+        self.tenants = tenants
+        self.metrics = metrics
+        self.slots = PoolSlots(config.concurrency_per_replica)
+        self.committer = Committer(store, metrics)
+        self._replica_counts = replica_counts
+        self._limiters: dict[str, TokenRate] = {}
+        self._jobs: dict[str, tuple[BatchJob, asyncio.Task[None]]] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._lock_fd: int | None = None
+
+    def limiter(self, tenant: str) -> TokenRate:
+        rate = self._limiters.get(tenant)
+        if rate is None:
+            config = self.tenants.get(tenant) or TenantConfig(name=tenant)
+            rate = self._limiters[tenant] = TokenRate(config.batch_tokens_per_min)
+        return rate
+
+    def check_input(self, record: BatchRecord) -> list[BatchError]:
+        """Why a validating batch cannot run (empty: it can)."""
+        try:
+            file = self.store.get_file(record.input_file_id, None)
+        except LookupError:
+            return [BatchError("missing_file", f"Input file {record.input_file_id} is gone")]
+        problems: list[BatchError] = []
+        tenant = self.tenants.get(record.tenant) or TenantConfig(name=record.tenant)
+        allowed = tenant.allowed_models
+        summary = file.summary
+        if summary is None:
+            return [BatchError("invalid_file", f"File {file.id} is not a batch input file")]
+        if summary.urls == [record.endpoint] and (
+            not allowed or all(m in allowed for m in summary.models)
+        ):
+            return []
+        for number, raw in self.store.input_lines(file.id):
+            line = request_line_decoder.decode(raw)
+            model = _model.decode(line.body).model
+            if line.url != record.endpoint:
+                problems.append(
+                    BatchError(
+                        "invalid_url",
+                        f"The url {line.url!r} does not match the batch's endpoint "
+                        f"{record.endpoint!r}",
+                        line=number,
+                        param="url",
+                    )
+                )
+            elif allowed and model not in allowed:
+                problems.append(
+                    BatchError(
+                        "model_not_allowed",
+                        f"Tenant '{record.tenant}' may not use model {model!r}",
+                        line=number,
+                        param="body.model",
+                    )
+                )
+            if len(problems) == 20:
+                break
+        return problems
+
+    def notify(self) -> None:
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        job = self._jobs.get(batch_id)
+        if job is not None:
+            job[0].stop("cancelled")
+        self._wake.set()
+
+    def job(self, batch_id: str) -> BatchJob | None:
+        entry = self._jobs.get(batch_id)
+        return entry[0] if entry else None
+
+    async def start(self) -> None:
+        self.committer.start()
+        self._task = asyncio.create_task(self._supervise(), name="batch-runner")
+
+    async def close(self) -> None:
+        for job, _ in self._jobs.values():
+            job.abort()
+        tasks = [t for _, t in self._jobs.values()]
+        if self._task is not None:
+            tasks.append(self._task)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.committer.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _take_lock(self) -> bool:
+        if self._lock_fd is not None:
+            return True
+        fd = os.open(self.store.root / "runner.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._lock_fd = fd
+        log.info("batch runner: holding %s, running batches", Path(self.store.root) / "runner.lock")
+        return True
+
+    async def _supervise(self) -> None:
+        while True:
+            try:
+                if self._take_lock():
+                    await self._refresh_replicas()
+                    for record in await asyncio.to_thread(self.store.active_batches):
+                        if record.id not in self._jobs:
+                            self._launch(record)
+                        elif record.status == "cancelling":
+                            self._jobs[record.id][0].stop("cancelled")
+                    self.metrics.active.set(len(self._jobs))
+            except Exception:
+                log.exception("batch runner: supervision pass failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_S):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    async def _refresh_replicas(self) -> None:
+        if self._replica_counts is None:
+            return
+        try:
+            counts = await self._replica_counts()  # type: ignore[misc]
+        except Exception as err:
+            log.debug("replica counts unavailable: %s", err)
+            return
+        self.slots.set_replicas(counts)
+
+    def _launch(self, record: BatchRecord) -> None:
+        job = BatchJob(self, record)
+        task = asyncio.create_task(job.run(), name=f"batch-{record.id}")
+        self._jobs[record.id] = (job, task)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self._jobs.pop(record.id, None)
+            if not task.cancelled() and task.exception() is not None:
+                log.error(
+                    "batch %s: runner failed, retried at the next pass: %r",
+                    record.id,
+                    task.exception(),
+                )
+            else:
+                self._wake.set()
+
+        task.add_done_callback(ended)

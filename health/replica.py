@@ -1,0 +1,117 @@
+"""The engine's side of health: runs the monitor and acts on its reports in the engine's
+serve loop, which owns the router socket.
+
+- a new finding is sent to the router (HealthReport) and logged, one line each;
+- stop_routing: the router drops the replica at once; the engine stops heartbeating but
+  keeps serving what it has, keeps checking, and registers again after a clean round;
+  out of routing longer than health.give_up_s, it gives up (the job fails and is replaced);
+- drain or drain_reset: the replica leaves routing and drains (in-flight requests finish),
+  the job ends, and the pool manager drains the node in Slurm and replaces the capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from hpcserve.health.monitor import HealthMonitor, ReplicaHealth, monitor_for_engine
+from hpcserve.health.policy import drain_reason
+from hpcserve.router import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class Agent(Protocol):
+    registered: bool
+
+    def register(self) -> None: ...
+
+    def send(self, message: p.RegistryMessage) -> None: ...
+
+
+class EngineHealth:
+    def __init__(
+        self,
+        monitor: HealthMonitor,
+        agent: Agent,
+        registration: p.Register,
+        *,
+        on_drain: Callable[[str], None],
+        on_give_up: Callable[[str], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.monitor = monitor
+        self.agent = agent
+        self.registration = registration
+        self.state = ReplicaHealth(monitor.config.give_up_s)
+        self._on_drain = on_drain
+        self._on_give_up = on_give_up
+        self._clock = clock
+
+    @classmethod
+    def start(
+        cls,
+        agent: Agent,
+        registration: p.Register,
+        *,
+        engine: str,
+        engine_url: str,
+        on_drain: Callable[[str], None],
+        on_give_up: Callable[[str], None],
+    ) -> EngineHealth | None:
+        monitor = monitor_for_engine(
+            engine=engine,
+            engine_url=engine_url,
+            model=registration.model,
+            node=registration.node,
+        )
+        if monitor is None:
+            log.info("health monitor off (health.monitor = false)")
+            return None
+        monitor.start()
+        return cls(monitor, agent, registration, on_drain=on_drain, on_give_up=on_give_up)
+
+    @property
+    def in_service(self) -> bool:
+        return self.state.in_service
+
+    def step(self) -> None:
+        reg = self.registration
+        for report in self.monitor.reports():
+            decision = self.state.update(report, self._clock())
+            for finding in decision.report:
+                log.warning(
+                    "health: %s (check %s, action %s)",
+                    finding.detail,
+                    finding.check,
+                    finding.action,
+                )
+            if decision.report:
+                self.agent.send(
+                    p.HealthReport(
+                        replica_id=reg.replica_id,
+                        findings=decision.report,
+                        node=reg.node,
+                        slurm_job_id=reg.slurm_job_id,
+                        pool=reg.pool,
+                    )
+                )
+            if decision.leave:
+                self.agent.registered = False
+            if decision.drain:
+                reason = drain_reason(report.findings)
+                log.warning("replica %s leaves routing and drains: %s", reg.replica_id, reason)
+                self._on_drain(f"health: {reason}")
+            elif decision.leave:
+                log.warning("replica %s leaves routing until its checks pass", reg.replica_id)
+            if decision.rejoin:
+                log.info("replica %s passes its checks again: rejoining", reg.replica_id)
+                self.agent.register()
+            if decision.give_up:
+                log.error("replica %s gives up: %s", reg.replica_id, decision.give_up)
+                self._on_give_up(decision.give_up)
+
+    def stop(self) -> None:
+        self.monitor.stop()

@@ -1,0 +1,278 @@
+"""LoRA adapters in routing: send an adapter's requests to replicas that have it loaded, and
+load it on demand when none has.
+
+A request names an adapter as its `model`. The replicas that may serve it run its base model
+with LoRA on (they registered `max_adapters` > 0 and a `base_model` equal to the adapter's
+base in the model registry). Among those:
+
+1. Replicas that report the adapter loaded are the candidates; the usual policy picks one.
+2. If none has it, the least-loaded eligible replica is told to load it (LoadAdapter on the
+   registry socket, answered by AdapterLoaded); when that replica already holds
+   `max_adapters`, its least recently routed adapter is unloaded first. Until the answer
+   comes the request is answered `adapter_loading` and the gateway asks again (bounded by
+   its own wait), so the router never holds a reply open. A load that fails, or that is not
+   answered within `load_timeout_s`, is reported once as `adapter_load_failed`; the next
+   request tries again.
+
+What is loaded comes from the engines (Register, Heartbeat, AdapterLoaded): the router's
+picture follows theirs. Which adapters exist, and for which base model, comes from the
+model registry (`AdapterCatalog`), re-read at most every `refresh_s`, so an adapter added
+with `hpcserve models add --lora-base` is servable without a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpcserve.router import protocol as p
+from hpcserve.router.registry import Replica
+
+log = logging.getLogger(__name__)
+
+LOADING = "adapter_loading"
+LOAD_FAILED = "adapter_load_failed"
+NO_REPLICA = "no_replica"
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """One adapter as the registry knows it: what a replica needs to stage and load it."""
+
+    name: str
+    base_model: str
+    source: str
+    manifest: bytes  # its digest manifest, JSON
+
+
+class AdapterCatalog:
+    """Adapter name -> AdapterSource, re-read from `read()` at most every `refresh_s`.
+
+    A name not found triggers a re-read once `miss_refresh_s` has passed since the last one,
+    so a newly added adapter is found within that time and unknown names cannot make the
+    router read the registry on every request."""
+
+    def __init__(
+        self,
+        read: Callable[[], Iterable[AdapterSource]],
+        *,
+        refresh_s: float = 30.0,
+        miss_refresh_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._read = read
+        self.refresh_s = refresh_s
+        self.miss_refresh_s = miss_refresh_s
+        self._clock = clock
+        self._adapters: dict[str, AdapterSource] = {}
+        self._read_at: float | None = None
+
+    @classmethod
+    def from_registry(cls, path: str, **kwargs: float) -> AdapterCatalog:
+        def read() -> list[AdapterSource]:
+            from hpcserve.modelcache.registry import Registry
+
+            if not Path(path).exists():
+                return []
+            with Registry(Path(path)) as registry:
+                return [
+                    AdapterSource(
+                        a.name, a.base_model, a.path, registry.adapter_manifest(a.name).encode()
+                    )
+                    for a in registry.adapters()
+                ]
+
+        return cls(read, **kwargs)
+
+    @classmethod
+    def empty(cls) -> AdapterCatalog:
+        return cls(list)
+
+    def get(self, name: str) -> AdapterSource | None:
+        self._refresh(self.refresh_s)
+        found = self._adapters.get(name)
+        if found is None:
+            self._refresh(self.miss_refresh_s)
+            found = self._adapters.get(name)
+        return found
+
+    def all(self) -> list[AdapterSource]:
+        self._refresh(self.refresh_s)
+        return list(self._adapters.values())
+
+    def _refresh(self, max_age_s: float) -> None:
+        now = self._clock()
+        if self._read_at is not None and now - self._read_at < max_age_s:
+            return
+        self._read_at = now
+        try:
+            self._adapters = {a.name: a for a in self._read()}
+        except Exception as err:  # a registry being written or moved must not stop routing
+            log.warning("cannot read LoRA adapters from the model registry: %s", err)
+
+
+@dataclass
+class _ReplicaAdapters:
+    peer: bytes  # the engine agent's identity on the registry socket
+    base_model: str
+    max_adapters: int
+    loaded: dict[str, float] = field(default_factory=dict)  # adapter -> last routed at
+    loading: dict[str, float] = field(default_factory=dict)  # adapter -> deadline
+
+
+@dataclass(frozen=True)
+class AdapterDecision:
+    """Route among `candidates`; or send `load` to the agent at `peer`; or fail with `error`
+    (LOADING: ask again soon)."""
+
+    candidates: Sequence[Replica] = ()
+    load: p.LoadAdapter | None = None
+    peer: bytes = b""
+    error: str = ""
+
+
+class AdapterRouter:
+    def __init__(
+        self,
+        catalog: AdapterCatalog,
+        *,
+        load_timeout_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.catalog = catalog
+        self.load_timeout_s = load_timeout_s
+        self._clock = clock
+        self._replicas: dict[str, _ReplicaAdapters] = {}
+        self._failed: dict[str, str] = {}  # adapter -> why its last load failed
+
+    # -- what the engines report
+
+    def on_register(self, msg: p.Register, peer: bytes) -> None:
+        if msg.max_adapters <= 0:
+            self._replicas.pop(msg.replica_id, None)
+            return
+        now = self._clock()
+        old = self._replicas.get(msg.replica_id)
+        state = _ReplicaAdapters(peer, msg.base_model or msg.model, msg.max_adapters)
+        state.loaded = {a: (old.loaded.get(a, 0.0) if old else 0.0) for a in msg.adapters}
+        if old is not None:
+            state.loading = {a: d for a, d in old.loading.items() if d > now}
+        self._replicas[msg.replica_id] = state
+
+    def on_heartbeat(self, msg: p.Heartbeat, peer: bytes) -> None:
+        state = self._replicas.get(msg.replica_id)
+        if state is None or msg.adapters is None:
+            return
+        state.peer = peer
+        self._set_loaded(state, msg.adapters)
+
+    def on_loaded(self, msg: p.AdapterLoaded) -> None:
+        state = self._replicas.get(msg.replica_id)
+        if state is None:
+            return
+        state.loading.pop(msg.adapter, None)
+        self._set_loaded(state, msg.adapters)
+        if msg.error:
+            self._failed[msg.adapter] = f"{msg.replica_id}: {msg.error}"
+            log.warning(
+                "LoRA adapter %s failed to load on %s: %s", msg.adapter, msg.replica_id, msg.error
+            )
+        else:
+            state.loaded[msg.adapter] = self._clock()
+            log.info("LoRA adapter %s loaded on %s", msg.adapter, msg.replica_id)
+
+    def forget(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    # -- routing
+
+    def is_adapter(self, model: str) -> bool:
+        return self.catalog.get(model) is not None or any(
+            model in s.loaded for s in self._replicas.values()
+        )
+
+    def route(self, adapter: str, live: Iterable[Replica]) -> AdapterDecision:
+        """Where a request for `adapter` goes, given the live replicas."""
+        now = self._clock()
+        live_by_id = {r.replica_id: r for r in live}
+        for gone in self._replicas.keys() - live_by_id.keys():
+            del self._replicas[gone]
+        source = self.catalog.get(adapter)
+        holders = [live_by_id[rid] for rid, s in self._replicas.items() if adapter in s.loaded]
+        if holders:
+            return AdapterDecision(candidates=holders)
+        if source is None:
+            return AdapterDecision(error=NO_REPLICA)
+        eligible = [rid for rid, s in self._replicas.items() if s.base_model == source.base_model]
+        if not eligible:
+            return AdapterDecision(error=NO_REPLICA)
+        for rid in eligible:
+            deadline = self._replicas[rid].loading.get(adapter)
+            if deadline is None:
+                continue
+            if now < deadline:
+                return AdapterDecision(error=LOADING)
+            del self._replicas[rid].loading[adapter]
+            self._failed[adapter] = f"{rid}: no answer within {self.load_timeout_s:g}s"
+        failed = self._failed.pop(adapter, None)
+        if failed is not None:
+            return AdapterDecision(error=LOAD_FAILED)
+        target = min(eligible, key=lambda rid: self._load_key(live_by_id[rid], rid))
+        state = self._replicas[target]
+        unload = self._lru_victims(state)
+        state.loading[adapter] = now + self.load_timeout_s
+        for victim in unload:
+            state.loaded.pop(victim, None)
+        log.info(
+            "loading LoRA adapter %s on %s%s",
+            adapter,
+            target,
+            f" (unloading {', '.join(unload)})" if unload else "",
+        )
+        load = p.LoadAdapter(target, adapter, source.source, source.manifest, unload)
+        return AdapterDecision(load=load, peer=state.peer, error=LOADING)
+
+    def routed(self, replica_id: str, adapter: str) -> None:
+        """A request for `adapter` went to `replica_id` (recency for the LRU choice)."""
+        state = self._replicas.get(replica_id)
+        if state is not None and adapter in state.loaded:
+            state.loaded[adapter] = self._clock()
+
+    def listing(self, live: Iterable[Replica]) -> list[p.ModelInfo]:
+        """Every adapter a live replica has loaded or could load, as models with a parent."""
+        models_by_base: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        parents: dict[str, str] = {}
+        for replica in live:
+            state = self._replicas.get(replica.replica_id)
+            if state is None:
+                continue
+            models_by_base.setdefault(state.base_model, replica.model)
+            for adapter in state.loaded:
+                counts[adapter] = counts.get(adapter, 0) + 1
+                parents.setdefault(adapter, replica.model)
+        for source in self.catalog.all():
+            if source.base_model in models_by_base:
+                counts.setdefault(source.name, 0)
+                parents.setdefault(source.name, models_by_base[source.base_model])
+        return [p.ModelInfo(id=a, replicas=counts[a], parent=parents[a]) for a in sorted(counts)]
+
+    def _load_key(self, replica: Replica, rid: str) -> tuple[int, int, str]:
+        state = self._replicas[rid]
+        full = len(state.loaded) + len(state.loading) >= state.max_adapters
+        return (replica.queued, int(full), rid)
+
+    @staticmethod
+    def _lru_victims(state: _ReplicaAdapters) -> list[str]:
+        excess = len(state.loaded) + len(state.loading) + 1 - state.max_adapters
+        if excess <= 0:
+            return []
+        by_age = sorted(state.loaded, key=lambda a: (state.loaded[a], a))
+        return by_age[:excess]
+
+    @staticmethod
+    def _set_loaded(state: _ReplicaAdapters, names: Iterable[str]) -> None:
+        state.loaded = {a: state.loaded.get(a, 0.0) for a in names}

@@ -1,0 +1,163 @@
+"""One routing decision: session affinity, then the prefix index, then the policy.
+
+Holds what the decision needs besides the registry: the PrefixIndex (fed by the KV-event
+subscriber for replicas that publish events, and by RoutedPrefixes, the approximate mode,
+for those that do not), the session table and the configured policy.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter
+
+from hpcserve.config import RoutingConfig
+from hpcserve.router import protocol as p
+from hpcserve.router.affinity import SessionAffinity
+from hpcserve.router.approx_index import RoutedPrefixes
+from hpcserve.router.kv_subscriber import KvEventSubscriber
+from hpcserve.router.policies import build_policy
+from hpcserve.router.policies.base import Cached, RouteContext, RouteRequest
+from hpcserve.router.prefix_index import PrefixIndex
+from hpcserve.router.registry import Registry, Replica
+from hpcserve.router.replica_table import ReplicaTable
+
+
+class Decider:
+    def __init__(
+        self,
+        config: RoutingConfig,
+        registry: Registry,
+        *,
+        index: PrefixIndex | None = None,
+        subscriber: KvEventSubscriber | None = None,
+        rng: random.Random | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.index = index if index is not None else PrefixIndex()
+        self.subscriber = subscriber
+        self.policy = build_policy(config, rng)
+        self.approx = RoutedPrefixes(self.index, config.approx_ttl_s, config.approx_max_blocks)
+        self.sessions = SessionAffinity(config.session_ttl_s, config.session_max)
+        prom = metrics_registry or CollectorRegistry()
+        self.prompt_tokens = Counter(
+            "hpcserve_router_prompt_tokens_total",
+            "Prompt tokens of routed requests (those that sent block hashes)",
+            ["model"],
+            registry=prom,
+        )
+        self.cached_tokens_routed = Counter(
+            "hpcserve_router_cached_prompt_tokens_total",
+            "Of those, tokens the index showed cached on the chosen replica",
+            ["model"],
+            registry=prom,
+        )
+
+    # --- membership -----------------------------------------------------------------
+    def replica_added(self, replica: Replica) -> None:
+        spec = replica.spec
+        if self.subscriber is not None and self.config.kv_events and spec.kv_events_endpoint:
+            self.subscriber.watch(
+                spec.replica_id,
+                spec.kv_events_endpoint,
+                spec.kv_replay_endpoint,
+                spec.kv_events_topic or spec.replica_id,
+            )
+
+    def replica_removed(self, replica_id: str) -> None:
+        if self.subscriber is not None:
+            self.subscriber.unwatch(replica_id)
+        self.approx.drop(replica_id)
+        self.index.drop(replica_id)
+
+    def _has_events(self, replica_id: str) -> bool:
+        return self.subscriber is not None and self.subscriber.watching(replica_id)
+
+    # --- decisions ------------------------------------------------------------------
+    def request_of(self, msg: p.Route, model: str) -> RouteRequest:
+        return RouteRequest(
+            model=model,
+            block_hashes=msg.block_hashes,
+            block_size=msg.block_size,
+            prompt_tokens=max(msg.prompt_tokens, len(msg.block_hashes) * msg.block_size),
+            adapter=msg.adapter,
+            priority=msg.priority,
+            session_key=msg.session_key,
+        )
+
+    def cached_tokens(self, request: RouteRequest, table: ReplicaTable) -> Cached | None:
+        """Prompt tokens the rows hold in their KV cache; None when no row holds any."""
+        if not request.block_hashes or request.block_size <= 0:
+            return None
+        rows: list[int] = []
+        tokens: list[int] = []
+        get = self.registry.get
+        for replica_id, depth in self.index.match(request.block_hashes).items():
+            replica = get(replica_id)
+            if replica is None or replica.model != request.model or replica.row < 0:
+                continue
+            size = self.index.block_size(replica_id) or replica.spec.block_size
+            if size and size != request.block_size:
+                continue  # hashes of another block size cannot match
+            rows.append(replica.row)
+            tokens.append(depth * request.block_size)
+        if not rows:
+            return None
+        return Cached(np.array(rows, np.int64), np.array(tokens, np.int64))
+
+    def _sticky(
+        self, request: RouteRequest, table: ReplicaTable, now: float, allowed: np.ndarray | None
+    ) -> Replica | None:
+        replica_id = self.sessions.lookup(request.session_key, now)
+        replica = self.registry.get(replica_id) if replica_id else None
+        if replica is None or replica.model != request.model or not replica.routable:
+            return None
+        if allowed is not None and not allowed[replica.row]:
+            return None
+        mine, floor = table.load[replica.row], table.load.min()
+        if mine > floor + self.config.overload_abs and mine > self.config.overload_rel * floor:
+            return None  # affinity never outweighs a queue
+        return replica
+
+    def pick(
+        self, msg: p.Route, now: float, candidates: Sequence[Replica] | None = None
+    ) -> Replica | None:
+        """The replica for this request, counted as routed; None when there is none.
+
+        `candidates` narrows the choice to some replicas of one model (a LoRA adapter's
+        hosts, a retry excluding replicas); None means every replica of `msg.model`.
+        """
+        model = msg.model if candidates is None else (candidates[0].model if candidates else "")
+        table = self.registry.table(model) if model else None
+        if table is None or not len(table):
+            return None
+        allowed: np.ndarray | None = None
+        if candidates is not None and len(candidates) != len(table):
+            allowed = np.zeros(len(table), bool)
+            allowed[[r.row for r in candidates if r.model == model and r.row >= 0]] = True
+        request = self.request_of(msg, model)
+        replica = self._sticky(request, table, now, allowed) if request.session_key else None
+        if replica is None:
+            cached = self.cached_tokens(request, table) if self.policy.uses_prefix else None
+            replica = self.policy.pick(RouteContext(request, table, cached, allowed))
+        else:
+            cached = self.cached_tokens(request, table)
+        if replica is None:
+            return None
+        if request.block_hashes:
+            hit = cached.at(replica.row) if cached is not None else 0
+            self.prompt_tokens.labels(request.model).inc(request.prompt_tokens)
+            self.cached_tokens_routed.labels(request.model).inc(hit)
+        self.registry.routed(replica, request.prompt_tokens)
+        if request.block_hashes:
+            if self._has_events(replica.replica_id):
+                self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
+            elif self.policy.uses_prefix:
+                self.approx.routed(replica.replica_id, request.block_hashes, now)
+        if request.session_key:
+            self.sessions.remember(request.session_key, replica.replica_id, now)
+        return replica

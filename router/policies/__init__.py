@@ -1,0 +1,29 @@
+"""Routing policies: filters -> weighted cost scorers -> picker (base.py), by config name."""
+
+from __future__ import annotations
+
+import random
+
+from hpcserve.config import RoutingConfig
+from hpcserve.router.policies.base import LowestCost, Policy, RoundRobin, Weighted
+from hpcserve.router.policies.filters import BatchYields, Routable, ServesAdapter
+from hpcserve.router.policies.scorers import KvPressure, Load, NewPrefill
+
+
+def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Policy:
+    filters = [Routable(), ServesAdapter(), BatchYields()]
+    if config.policy == "round-robin":
+        return Policy("round-robin", filters, [], RoundRobin())
+    if config.policy == "least-load":
+        return Policy("least-load", filters, [Weighted(Load(1.0), 1.0)], LowestCost(rng))
+    return Policy(
+        "kv-aware",
+        filters,
+        [
+            Weighted(NewPrefill(config.overload_abs, config.overload_rel), 1.0),
+            Weighted(Load(config.tokens_per_request), 1.0),
+            Weighted(KvPressure(config.kv_capacity_tokens), config.kv_pressure_weight),
+        ],
+        LowestCost(rng),
+        uses_prefix=True,
+    )

@@ -1,0 +1,189 @@
+"""Which replicas hold which prompt prefixes in their KV cache, kept from vLLM's events.
+
+Two maps:
+- ``holders``: our chained block hash (prefix_hash.py) -> bitmask of replica slots whose
+  cache holds that block. A block held by one replica shares the slot's cached bit int,
+  so the common case costs one dict entry and one 32-byte key.
+- per slot, ``engine``: vLLM's block hash (60 bits of it) -> our hash, the only place the
+  engine's hash is used: to find what a BlockRemoved removes and to chain a BlockStored
+  onto its parent.
+
+``match`` walks a request's block hashes from the first, AND-ing masks: each replica's
+matched depth is where its bit drops out, so a lookup costs one dict get per matched
+block, whatever the number of replicas.
+
+Failure modes: a BlockStored whose parent we never saw (events lost before we subscribed,
+or the index was reset) cannot be chained and is counted in ``orphans``; the replica looks
+colder than it is until those blocks are stored again. Two engine blocks with the same
+tokens and adapter but different extra keys (cache salt, multimodal) map to one of our
+hashes, and removing either clears it: the replica looks colder, never hotter.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+from hpcserve.router import kv_wire as kw
+from hpcserve.router.prefix_hash import HASH_MASK, chain_seed, engine_key
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, int] = {}
+        self._slot_of: dict[str, int] = {}
+        self._ids: list[str | None] = []
+        self._bits: list[int] = []
+        self._engine: list[dict[int, int]] = []
+        self._block_size: list[int] = []
+        self._free: list[int] = []
+        self.orphans = 0
+
+    # --- replicas -------------------------------------------------------------------
+    def slot(self, replica_id: str) -> int:
+        slot = self._slot_of.get(replica_id)
+        if slot is not None:
+            return slot
+        if self._free:
+            slot = heapq.heappop(self._free)
+            self._ids[slot] = replica_id
+        else:
+            slot = len(self._ids)
+            self._ids.append(replica_id)
+            self._bits.append(1 << slot)
+            self._engine.append({})
+            self._block_size.append(0)
+        self._slot_of[replica_id] = slot
+        return slot
+
+    def drop(self, replica_id: str) -> None:
+        slot = self._slot_of.pop(replica_id, None)
+        if slot is None:
+            return
+        self._clear_slot(slot)
+        self._ids[slot] = None
+        self._block_size[slot] = 0
+        heapq.heappush(self._free, slot)
+
+    def clear(self, replica_id: str) -> None:
+        """Forget every block of a replica (AllBlocksCleared, or its events stopped)."""
+        slot = self._slot_of.get(replica_id)
+        if slot is not None:
+            self._clear_slot(slot)
+
+    def _clear_slot(self, slot: int) -> None:
+        for ours in self._engine[slot].values():
+            self._discard(slot, ours)
+        self._engine[slot] = {}
+
+    # --- events ---------------------------------------------------------------------
+    def apply(self, replica_id: str, events: Iterable[kw.KVEvent]) -> None:
+        slot = self.slot(replica_id)
+        for event in events:
+            if isinstance(event, kw.BlockStored):
+                self.stored(slot, event)
+            elif isinstance(event, kw.BlockRemoved):
+                self.removed(slot, event)
+            elif isinstance(event, kw.AllBlocksCleared):
+                self._clear_slot(slot)
+
+    def stored(self, slot: int, event: kw.BlockStored) -> None:
+        engine = self._engine[slot]
+        if event.parent_block_hash is None:
+            h = chain_seed(event.lora_name or "")
+        else:
+            parent = engine.get(engine_key(event.parent_block_hash))
+            if parent is None:
+                self.orphans += 1
+                return
+            h = parent
+        tokens = tuple(event.token_ids)
+        n = len(event.block_hashes)
+        size = event.block_size or (len(tokens) // n if n else 0)
+        if size <= 0 or len(tokens) < n * size:
+            self.orphans += 1
+            return
+        self._block_size[slot] = size
+        holders, bit, mask = self._holders, self._bits[slot], HASH_MASK
+        start = 0
+        for block_hash in event.block_hashes:
+            # Inlined chain_hashes and engine_key: this loop is the ingest rate.
+            h = hash((h, tokens[start : start + size])) & mask
+            start += size
+            engine[hash(block_hash) & mask] = h
+            old = holders.get(h)
+            holders[h] = bit if old is None else old | bit
+
+    def removed(self, slot: int, event: kw.BlockRemoved) -> None:
+        engine = self._engine[slot]
+        for block_hash in event.block_hashes:
+            ours = engine.pop(engine_key(block_hash), None)
+            if ours is not None:
+                self._discard(slot, ours)
+
+    # --- hashes without events (approximate mode) -----------------------------------
+    def add_hashes(self, slot: int, hashes: Iterable[int]) -> None:
+        holders, bit = self._holders, self._bits[slot]
+        for h in hashes:
+            old = holders.get(h)
+            holders[h] = bit if old is None else old | bit
+
+    def discard_hashes(self, slot: int, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._discard(slot, h)
+
+    def _discard(self, slot: int, h: int) -> None:
+        holders = self._holders
+        mask = holders.get(h)
+        if mask is None:
+            return
+        mask &= ~self._bits[slot]
+        if not mask:
+            del holders[h]
+        elif mask & (mask - 1) == 0:
+            holders[h] = self._bits[mask.bit_length() - 1]  # share the cached single-bit int
+        else:
+            holders[h] = mask
+
+    # --- lookups --------------------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Replica id -> number of leading blocks of `hashes` in its cache (absent: 0)."""
+        if not hashes:
+            return {}
+        holders = self._holders
+        alive = holders.get(hashes[0], 0)
+        if not alive:
+            return {}
+        depths: dict[str, int] = {}
+        ids = self._ids
+        depth = 1
+        for h in hashes[1:]:
+            still = alive & holders.get(h, 0)
+            if still != alive:
+                lost = alive & ~still
+                while lost:
+                    low = lost & -lost
+                    depths[ids[low.bit_length() - 1]] = depth  # type: ignore[index]
+                    lost ^= low
+                alive = still
+                if not alive:
+                    return depths
+            depth += 1
+        while alive:
+            low = alive & -alive
+            depths[ids[low.bit_length() - 1]] = depth  # type: ignore[index]
+            alive ^= low
+        return depths
+
+    def block_size(self, replica_id: str) -> int:
+        """The block size seen in the replica's events (0: none seen yet)."""
+        slot = self._slot_of.get(replica_id)
+        return 0 if slot is None else self._block_size[slot]
+
+    def blocks(self, replica_id: str) -> int:
+        slot = self._slot_of.get(replica_id)
+        return 0 if slot is None else len(self._engine[slot])
+
+    def __len__(self) -> int:
+        """Distinct block hashes indexed (over all replicas)."""
+        return len(self._holders)

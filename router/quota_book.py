@@ -1,0 +1,118 @@
+"""Per-tenant usage across every gateway: the ledger that makes tenant limits global.
+
+Each gateway admits requests against its own exact usage plus what the others
+used, as this book last told it. Gateways send `QuotaReport`s (batched deltas of
+requests and tokens, and their absolute in-flight count per tenant) every
+`gateway.quota_sync_s`; the router answers each with `QuotaTotals`: the other
+gateways' usage over the last minute. Pure bookkeeping with the clock passed in.
+
+Failure mode: a limit can be exceeded by what the other gateways admitted since
+their last report (at most one sync interval of their traffic). A gateway that
+stops reporting keeps its requests and tokens in the window (they happened) but
+its in-flight count is dropped after `stale_after_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from hpcserve.router import protocol as p
+
+WINDOW_S = 60
+
+
+class Window:
+    """Requests and tokens in one-second slots over the last `WINDOW_S` seconds."""
+
+    __slots__ = ("_slots", "requests", "tokens")
+
+    def __init__(self) -> None:
+        self._slots: deque[list[int]] = deque()  # [second, requests, tokens], oldest first
+        self.requests = 0
+        self.tokens = 0
+
+    def add(self, now: float, requests: int, tokens: int) -> None:
+        if not requests and not tokens:
+            return
+        second = int(now)
+        self.expire(now)
+        if self._slots and self._slots[-1][0] == second:
+            slot = self._slots[-1]
+            slot[1] += requests
+            slot[2] += tokens
+        else:
+            self._slots.append([second, requests, tokens])
+        self.requests += requests
+        self.tokens += tokens
+
+    def expire(self, now: float) -> None:
+        oldest_kept = int(now) - WINDOW_S + 1
+        while self._slots and self._slots[0][0] < oldest_kept:
+            _, requests, tokens = self._slots.popleft()
+            self.requests -= requests
+            self.tokens -= tokens
+
+    def frees_in_s(self, now: float) -> float:
+        """Seconds until the oldest usage in the window leaves it (0 when empty)."""
+        self.expire(now)
+        if not self._slots:
+            return 0.0
+        return max(0.0, self._slots[0][0] + WINDOW_S - now)
+
+
+class _GatewayTenant:
+    __slots__ = ("in_flight", "seen", "window")
+
+    def __init__(self) -> None:
+        self.window = Window()
+        self.in_flight = 0
+        self.seen = 0.0
+
+
+class QuotaBook:
+    def __init__(self, stale_after_s: float = 5.0) -> None:
+        self.stale_after_s = stale_after_s
+        self._by_tenant: dict[str, dict[str, _GatewayTenant]] = {}
+
+    def report(self, msg: p.QuotaReport, now: float) -> p.QuotaTotals:
+        for usage in msg.usage:
+            gateways = self._by_tenant.setdefault(usage.tenant, {})
+            entry = gateways.get(msg.gateway_id)
+            if entry is None:
+                entry = gateways[msg.gateway_id] = _GatewayTenant()
+            entry.window.add(now, usage.requests, usage.tokens)
+            entry.in_flight = usage.in_flight
+            entry.seen = now
+        return p.QuotaTotals(msg.request_id, self.others(msg.gateway_id, now))
+
+    def others(self, gateway_id: str, now: float) -> list[p.TenantTotals]:
+        totals = []
+        for tenant, gateways in self._by_tenant.items():
+            requests = tokens = in_flight = 0
+            frees_in = math.inf
+            for gid, entry in list(gateways.items()):
+                entry.window.expire(now)
+                stale = now - entry.seen > self.stale_after_s
+                if stale and not entry.window.requests and not entry.window.tokens:
+                    del gateways[gid]
+                    continue
+                if gid == gateway_id:
+                    continue
+                requests += entry.window.requests
+                tokens += entry.window.tokens
+                if not stale:
+                    in_flight += entry.in_flight
+                if entry.window.requests or entry.window.tokens:
+                    frees_in = min(frees_in, entry.window.frees_in_s(now))
+            if requests or tokens or in_flight:
+                totals.append(
+                    p.TenantTotals(
+                        tenant,
+                        requests,
+                        tokens,
+                        in_flight,
+                        0.0 if frees_in == math.inf else round(frees_in, 3),
+                    )
+                )
+        return totals

@@ -1,0 +1,259 @@
+"""The simulated engine core: a step loop on asyncio that stands in for vLLM's EngineCore.
+
+Each iteration asks the scheduler for a step, prices it with the step model (the planner's
+roofline, or fixed timing), sleeps that long times ``time_scale`` (0.01: a hundred times
+faster than the modelled GPU), then completes the step: tokens go to the requests'
+streams, finished requests are counted, and the KV cache's stored/removed blocks are
+published as one KV-event batch, as vLLM publishes one per step. Times inside the engine
+(metrics, request timestamps) are modelled seconds: wall seconds / ``time_scale``.
+
+Failure mode: the loop is cooperative; when the host process is short of CPU, steps end
+late and modelled time runs slower than the wall clock says (the loop never catches up by
+skipping steps). Requests already arriving when the loop stops are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from hpcserve.router import kv_wire as kw
+from hpcserve.router.protocol import ReplicaLoad
+from hpcserve.sim.kvcache import Cleared, KVCache, KVEvent, Removed, Stored
+from hpcserve.sim.metrics import SimMetrics
+from hpcserve.sim.scheduler import Scheduler, SchedulerLimits, SimRequest, Status, StepPlan
+from hpcserve.sim.timing import SimHardware
+from hpcserve.sim.tokenizer import SimTokenizer
+
+log = logging.getLogger(__name__)
+
+MEDIUM = "GPU"  # what vLLM reports for its own KV cache, on CPU builds too
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config, the part the simulator honours."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    served_model_name: str
+    hardware: SimHardware
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    time_scale: float = 1.0
+    kv_events: KVEventsConfig | None = None
+    default_max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    token_id: int
+    text: str
+    index: int  # 0 for the first output token
+    finish_reason: str | None  # set on the last token
+
+
+class EngineClosed(RuntimeError):
+    pass
+
+
+def wire_events(events: list[KVEvent]) -> list[kw.KVEvent]:
+    out: list[kw.KVEvent] = []
+    for event in events:
+        match event:
+            case Stored():
+                out.append(
+                    kw.BlockStored(
+                        block_hashes=list(event.block_hashes),
+                        parent_block_hash=event.parent_block_hash,
+                        token_ids=event.token_ids,
+                        block_size=event.block_size,
+                        medium=MEDIUM,
+                        group_idx=0,
+                    )
+                )
+            case Removed():
+                out.append(kw.BlockRemoved(block_hashes=list(event.block_hashes), medium=MEDIUM))
+            case Cleared():
+                out.append(kw.AllBlocksCleared())
+    return out
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig, tokenizer: SimTokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        hw = config.hardware
+        self.kv = KVCache(hw.kv_blocks, hw.block_size)
+        self.scheduler = Scheduler(self.kv, config.limits, self._next_token)
+        self.metrics = SimMetrics(config.served_model_name)
+        self._filler = tokenizer.filler_ids() or [0]
+        self._streams: dict[str, asyncio.Queue[TokenOut | None]] = {}
+        self._ids = itertools.count()
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._publisher: kw.KVEventPublisher | None = None
+        self._t0 = time.monotonic()
+        self.steps = 0
+        self.busy_s = 0.0
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        if self.config.kv_events is not None:
+            ev = self.config.kv_events
+            self._publisher = kw.KVEventPublisher(
+                ev.endpoint, replay_endpoint=ev.replay_endpoint, topic=ev.topic
+            )
+        self._t0 = time.monotonic()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for queue in self._streams.values():
+            queue.put_nowait(None)
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+
+    def now(self) -> float:
+        """Modelled seconds since the engine started."""
+        return (time.monotonic() - self._t0) / self.config.time_scale
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.usage,
+        )
+
+    def submit(self, prompt_ids: list[int], max_tokens: int) -> SimRequest:
+        """Queue a request (ValueError when it can never fit); read it with ``stream``."""
+        if self._wake is None:
+            raise EngineClosed("the engine is not running")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        room = self.config.limits.max_model_len - len(prompt_ids)
+        if max_tokens > room:
+            raise ValueError(
+                f"This model's maximum context length is {self.config.limits.max_model_len} "
+                f"tokens. However, you requested {len(prompt_ids) + max_tokens} tokens "
+                f"({len(prompt_ids)} in the messages, {max_tokens} in the completion)."
+            )
+        req = SimRequest(f"sim-{next(self._ids)}", list(prompt_ids), max_tokens, self.now())
+        self.scheduler.add(req)
+        self._streams[req.request_id] = asyncio.Queue()
+        self._wake.set()
+        return req
+
+    async def stream(self, req: SimRequest) -> AsyncIterator[TokenOut]:
+        """The request's tokens as steps produce them; aborts the request if abandoned."""
+        queue = self._streams[req.request_id]
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    raise EngineClosed("the engine stopped")
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._streams.pop(req.request_id, None)
+            if req.status is not Status.FINISHED:
+                self.scheduler.abort(req)
+                req.finished_s = self.now()
+                self.metrics.observe_finished(req)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset()
+        if ok and self._wake is not None:
+            self._wake.set()  # published with the next step, as vLLM does
+        return ok
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _next_token(self, req: SimRequest) -> int:
+        return self._filler[len(req.output_ids) % len(self._filler)]
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        step_end = loop.time()
+        while True:
+            self._publish()
+            if not self.scheduler.has_work:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.5)
+                step_end = loop.time()
+                continue
+            plan = self.scheduler.schedule(self.now())
+            if plan.empty:
+                # Waiting requests and no KV room while nothing runs: cannot happen for a
+                # request that passed submit(); yield the loop rather than spin.
+                await asyncio.sleep(0.001)
+                continue
+            dt = self.config.hardware.step_model.step_time(plan.batch).total_s
+            self.busy_s += dt
+            step_end = max(step_end, loop.time()) + dt * self.config.time_scale
+            await asyncio.sleep(max(step_end - loop.time(), 0))
+            self._complete(plan)
+
+    def _complete(self, plan: StepPlan) -> None:
+        now = self.now()
+        self.steps += 1
+        decoded = 0
+        prompt_tokens = 0
+        for req, token in self.scheduler.complete(plan, now):
+            if token is None:
+                continue
+            decoded += 1
+            if len(req.output_ids) == 1:
+                prompt_tokens += len(req.prompt_ids)  # vLLM counts a prompt at its first token
+            else:
+                self.metrics.itl.observe(now - req.last_token_s)
+            req.last_token_s = now
+            finished = req.status is Status.FINISHED
+            queue = self._streams.get(req.request_id)
+            if queue is not None:
+                queue.put_nowait(
+                    TokenOut(
+                        token,
+                        self.tokenizer.decode([token]),
+                        len(req.output_ids) - 1,
+                        req.finish_reason if finished else None,
+                    )
+                )
+            if finished:
+                self.metrics.observe_finished(req)
+        m = self.metrics
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(decoded)
+        m.preemptions.inc(len(plan.preempted))
+        m.observe_cache(self.kv.queries, self.kv.hits)
+        m.observe_state(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage)
+
+    def _publish(self) -> None:
+        events = self.kv.take_events()
+        if self._publisher is None:
+            return
+        if events:
+            self._publisher.publish(wire_events(events))
+        else:
+            self._publisher.service_replay()

@@ -1,0 +1,216 @@
+"""Continuous batching with a token budget per step, as vLLM v1's scheduler does it.
+
+Each step the scheduler fills a budget of ``max_num_batched_tokens``: first the running
+requests (one token each when decoding, a chunk of the rest when still prefilling), then
+waiting requests in arrival order while fewer than ``max_num_seqs`` run. A waiting request
+starts on its cached prefix (the KV cache's prefix lookup), so only the uncached part of
+its prompt is computed. When a running request needs a block and none is free, the
+request that started last is preempted: its blocks are freed (they stay cached until
+evicted) and it goes back to the head of the queue, to be recomputed (vLLM's default,
+recompute preemption); no new request is admitted in a step that preempted.
+
+``schedule()`` returns a ``StepPlan`` whose ``batch`` is the planner's ``StepBatch``, so a
+``StepModel`` prices the step; ``complete(plan)`` then advances every request in it and
+samples one token for each request whose known tokens are all computed.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hpcserve.planner.perfmodel import StepBatch, decode_step, prefill_chunk
+from hpcserve.sim.kvcache import KVCache
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache when first scheduled
+    preemptions: int = 0
+    scheduled_s: float = -1.0  # first time it was scheduled (queue time ends)
+    first_token_s: float = -1.0
+    last_token_s: float = -1.0
+    finished_s: float = -1.0
+    finish_reason: str = ""
+    started: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    request: SimRequest
+    tokens: int  # tokens computed for it in this step
+    offset: int  # tokens it had computed before this step
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    scheduled: list[Scheduled]
+    batch: StepBatch
+    preempted: list[SimRequest]
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131072
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCache,
+        limits: SchedulerLimits,
+        next_token: Callable[[SimRequest], int],
+    ) -> None:
+        self.kv = kv
+        self.limits = limits
+        self.next_token = next_token
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: SimRequest) -> None:
+        if len(request.prompt_ids) >= self.limits.max_model_len:
+            raise ValueError(
+                f"prompt of {len(request.prompt_ids)} tokens leaves no room for output within "
+                f"max_model_len {self.limits.max_model_len}"
+            )
+        if -(-len(request.prompt_ids) // self.kv.block_size) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt of {len(request.prompt_ids)} tokens needs more KV blocks than the "
+                f"cache has ({self.kv.num_blocks} of {self.kv.block_size} tokens)"
+            )
+        self.waiting.append(request)
+
+    def abort(self, request: SimRequest, reason: str = "abort") -> None:
+        if request.status is Status.FINISHED:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._finish(request, reason, -1.0)
+
+    def schedule(self, now_s: float = 0.0) -> StepPlan:
+        budget = self.limits.max_num_batched_tokens
+        scheduled: list[Scheduled] = []
+        preempted: list[SimRequest] = []
+        batch = StepBatch()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            tokens = min(req.num_tokens - req.num_computed, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed + tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(Scheduled(req, tokens, req.num_computed))
+                batch = batch + self._work(req, tokens)
+                budget -= tokens
+                i += 1
+                continue
+            break
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.limits.max_num_seqs
+        ):
+            req = self.waiting[0]
+            if not self.kv.holds(req.request_id):
+                cached = self.kv.lookup(req.request_id, req.all_ids)
+                req.num_computed = cached
+                if not req.started:
+                    req.cached_tokens = cached
+            tokens = min(req.num_tokens - req.num_computed, budget)
+            if not self.kv.allocate(req.request_id, req.num_computed + tokens):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            if not req.started:
+                req.started, req.scheduled_s = True, now_s
+            self.running.append(req)
+            scheduled.append(Scheduled(req, tokens, req.num_computed))
+            batch = batch + self._work(req, tokens)
+            budget -= tokens
+        return StepPlan(scheduled, batch, preempted)
+
+    def complete(self, plan: StepPlan, now_s: float) -> list[tuple[SimRequest, int | None]]:
+        """Advance the requests of ``plan``; one (request, new token or None) for each."""
+        out: list[tuple[SimRequest, int | None]] = []
+        for item in plan.scheduled:
+            req = item.request
+            if req.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed = item.offset + item.tokens
+            self.kv.commit(req.request_id, req.all_ids, req.num_computed)
+            if req.num_computed < req.num_tokens:
+                out.append((req, None))  # a prefill chunk; more to come
+                continue
+            token = self.next_token(req)
+            req.output_ids.append(token)
+            if req.first_token_s < 0:
+                req.first_token_s = now_s
+            out.append((req, token))
+            done = len(req.output_ids) >= req.max_tokens
+            if done or req.num_tokens >= self.limits.max_model_len:
+                self._finish_running(req, "length", now_s)
+        return out
+
+    def _work(self, req: SimRequest, tokens: int) -> StepBatch:
+        if req.num_computed + tokens == req.num_tokens and tokens == 1 and req.output_ids:
+            return decode_step(1, req.num_computed)
+        return prefill_chunk(tokens, req.num_computed)
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish_running(self, req: SimRequest, reason: str, now_s: float) -> None:
+        self.running.remove(req)
+        self._finish(req, reason, now_s)
+
+    def _finish(self, req: SimRequest, reason: str, now_s: float) -> None:
+        self.kv.free(req.request_id)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.finished_s = now_s

@@ -1,0 +1,195 @@
+"""The in-job monitor: what a replica does with its reports (pure), the engine side that
+tells the router, and how the job's environment configures the monitor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcserve.config import HealthConfig
+from hpcserve.health.monitor import (
+    HealthMonitor,
+    ReplicaHealth,
+    Report,
+    health_config_from_env,
+    monitor_for_engine,
+)
+from hpcserve.health.policy import Policy
+from hpcserve.health.replica import EngineHealth
+from hpcserve.router import protocol as p
+
+POLICY = Policy()
+XID79 = POLICY.xid_finding(79, 3)
+XID13 = POLICY.xid_finding(13, 0)
+HOT = POLICY.finding("temperature", "temperature 95C gpu 1", gpu=1)
+STALLED = POLICY.finding("engine_probe", "engine probe: no answer within 5s")
+
+
+def test_log_only_findings_are_reported_once_and_change_nothing() -> None:
+    health = ReplicaHealth(give_up_s=60)
+    first = health.update(Report([HOT], round=True), 0)
+    assert first.report == [HOT] and not (first.leave or first.drain or first.rejoin)
+    again = health.update(Report([HOT], round=True), 10)
+    assert again.report == [] and health.in_service
+    assert health.update(Report([XID13]), 11).report == [XID13]
+    # Gone in a round, then back: reported again.
+    health.update(Report([], round=True), 20)
+    assert health.update(Report([HOT], round=True), 30).report == [HOT]
+
+
+def test_a_node_fault_drains_the_replica_once() -> None:
+    health = ReplicaHealth(give_up_s=60)
+    decision = health.update(Report([XID79]), 5)
+    assert decision.leave and decision.drain and decision.report == [XID79]
+    assert not health.in_service
+    later = health.update(Report([], round=True), 6)
+    assert not (later.leave or later.drain or later.rejoin), "draining stays draining"
+
+
+def test_an_engine_finding_leaves_routing_and_rejoins_after_a_clean_round() -> None:
+    health = ReplicaHealth(give_up_s=60)
+    out = health.update(Report([STALLED], round=True), 0)
+    assert out.leave and not out.drain and not health.in_service
+    still = health.update(Report([STALLED], round=True), 10)
+    assert not still.leave and still.report == [] and not still.rejoin
+    # An Xid report is no round: it cannot bring the replica back.
+    assert not health.update(Report([XID13]), 11).rejoin
+    back = health.update(Report([], round=True), 20)
+    assert back.rejoin and health.in_service
+
+
+def test_an_engine_that_stays_broken_is_given_up() -> None:
+    health = ReplicaHealth(give_up_s=60)
+    health.update(Report([STALLED], round=True), 0)
+    assert health.update(Report([STALLED], round=True), 59).give_up == ""
+    gave_up = health.update(Report([STALLED], round=True), 61).give_up
+    assert gave_up.startswith("out of routing for 61s (health.give_up_s 60)")
+    assert "engine probe: no answer within 5s" in gave_up
+
+
+class FakeAgent:
+    def __init__(self) -> None:
+        self.registered = True
+        self.sent: list[p.RegistryMessage] = []
+        self.registrations = 0
+
+    def register(self) -> None:
+        self.registrations += 1
+
+    def send(self, message: p.RegistryMessage) -> None:
+        self.sent.append(message)
+
+
+class ScriptedMonitor(HealthMonitor):
+    def __init__(self, reports: list[Report]) -> None:
+        super().__init__(HealthConfig(give_up_s=30), engine_url="http://127.0.0.1:9", model="m")
+        self.script = reports
+
+    def reports(self) -> list[Report]:
+        out, self.script = self.script, []
+        return out
+
+
+REG = p.Register("r1", "m", "http://n1:8000", pool="p", slurm_job_id=42, node="n1")
+
+
+def test_engine_health_tells_the_router_and_drains() -> None:
+    agent, drains, give_ups = FakeAgent(), [], []
+    monitor = ScriptedMonitor([Report([HOT, XID79])])
+    health = EngineHealth(
+        monitor, agent, REG, on_drain=drains.append, on_give_up=give_ups.append, clock=lambda: 0
+    )
+    health.step()
+    assert agent.sent == [p.HealthReport("r1", [HOT, XID79], node="n1", slurm_job_id=42, pool="p")]
+    assert drains == ["health: hpcserve: xid 79 gpu 3; temperature 95C gpu 1"]
+    assert not agent.registered and not health.in_service and give_ups == []
+
+
+def test_engine_health_rejoins_and_gives_up() -> None:
+    agent, give_ups = FakeAgent(), []
+    clock = iter([0.0, 5.0, 10.0, 50.0])
+    monitor = ScriptedMonitor([Report([STALLED], round=True), Report([], round=True)])
+    health = EngineHealth(
+        monitor, agent, REG, on_drain=pytest.fail, on_give_up=give_ups.append,
+        clock=lambda: next(clock),
+    )  # fmt: skip
+    health.step()
+    assert agent.registrations == 1 and health.in_service, "left, then rejoined"
+    monitor.script = [Report([STALLED], round=True), Report([STALLED], round=True)]
+    health.step()
+    assert not health.in_service and len(give_ups) == 1
+
+
+def test_monitor_from_the_job_environment(tmp_path: Path) -> None:
+    state = tmp_path / "nvml-n1.json"
+    state.write_text(json.dumps({"gpus": [{}, {}]}))
+    cfg = HealthConfig(probe_interval_s=0.5, fake_nvml=str(tmp_path / "nvml-{node}.json"))
+    env = {"HPCSERVE_HEALTH": json.dumps({"probe_interval_s": 0.5, "fake_nvml": cfg.fake_nvml})}
+    assert health_config_from_env(env) == cfg
+    assert health_config_from_env({}) == HealthConfig()
+    with pytest.raises(ValueError, match="HPCSERVE_HEALTH"):
+        health_config_from_env({"HPCSERVE_HEALTH": '{"probe_interval_s": -1}'})
+
+    common = {"engine_url": "http://127.0.0.1:9", "model": "m", "node": "n1"}
+    faked = monitor_for_engine(engine="sim", env=env | {"SLURM_GPUS_ON_NODE": "1"}, **common)
+    assert faked is not None and faked.xids is not None and faked.xids.watched == [0, 1]
+    assert faked.gpu_checks is not None and faked.gpu_checks.expected == 1
+    faked.stop()
+    # Without a fake, CPU and simulated engines have no GPUs to check.
+    plain = monitor_for_engine(engine="sim", env={}, **common)
+    assert plain is not None and plain.gpu_checks is None
+    off = monitor_for_engine(engine="sim", env={"HPCSERVE_HEALTH": '{"monitor": false}'}, **common)
+    assert off is None
+    # A GPU engine on a machine without NVML: a warning, and no GPU checks (vLLM fails anyway).
+    gpu = monitor_for_engine(engine="vllm", env={}, **common)
+    assert gpu is not None and gpu.gpu_checks is None
+
+
+def test_a_check_round_probes_the_engine(tmp_path: Path) -> None:
+    monitor = HealthMonitor(
+        HealthConfig(probe_deadline_s=1), engine_url="http://127.0.0.1:9", model="m"
+    )
+    report = monitor.check_round()
+    assert report.round
+    assert [(f.check, f.action) for f in report.findings] == [("engine_probe", "stop_routing")]
+    assert "unreachable" in report.findings[0].detail
+
+
+def test_giving_up_kills_vllm_and_its_stopped_children() -> None:
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from hpcserve.engine_launch.engine import EngineOptions, EngineRunner, _descendants
+
+    runner = EngineRunner(EngineOptions("/nonexistent", "m", "tcp://127.0.0.1:1", engine="sim"))
+    # A stand-in for vLLM: an API process with a child "core" that is stopped (SIGSTOP).
+    runner.process = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"])
+    time.sleep(0.3)
+    children = _descendants(runner.process.pid)
+    assert len(children) == 2
+    os.kill(children[0], signal.SIGSTOP)
+    runner._give_up("engine probe: no answer within 5s")
+    assert runner.stop_vllm() == -signal.SIGKILL
+    time.sleep(0.3)
+    for pid in children:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", f"child {pid} still running (state {state})"
+
+
+def test_the_pool_manager_passes_the_health_table_to_the_job() -> None:
+    from hpcserve.config import parse_config
+    from hpcserve.poolmgr.spec import build_job_spec
+
+    pool = {"name": "p", "model_path": "/m", "engine": "sim"}
+    default = parse_config({"pools": [pool]})
+    assert "HPCSERVE_HEALTH" not in dict(build_job_spec(default, default.pools[0]).env)
+    tuned = parse_config({"pools": [pool], "health": {"probe_interval_s": 2, "stall_s": 20}})
+    env = dict(build_job_spec(tuned, tuned.pools[0]).env)
+    assert health_config_from_env(env) == tuned.health

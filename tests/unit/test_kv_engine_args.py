@@ -1,0 +1,48 @@
+"""vLLM is started with KV-cache events and prefix caching; registration says where."""
+
+from __future__ import annotations
+
+import json
+
+from hpcserve.engine_launch.vllm_args import EngineSpec, block_size, engine_block_size, vllm_argv
+
+
+def spec(**kw):
+    base = dict(
+        model_path="/m", served_model_name="m", engine="vllm-cpu", python="py",
+        bind_host="0.0.0.0", port=8000,
+    )  # fmt: skip
+    return EngineSpec(**{**base, **kw})
+
+
+def config_of(argv):
+    return json.loads(argv[argv.index("--kv-events-config") + 1])
+
+
+def test_kv_events_publisher_binds_every_interface_with_replay_and_topic():
+    argv = vllm_argv(spec(kv_events_port=7001, kv_replay_port=7002, kv_events_topic="r-1"))
+    assert "--enable-prefix-caching" not in argv  # default on; forcing it breaks BERT pools
+    assert config_of(argv) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:7001",
+        "replay_endpoint": "tcp://*:7002",
+        "topic": "r-1",
+    }
+
+
+def test_no_events_without_a_port_or_when_the_user_configured_them():
+    assert "--kv-events-config" not in vllm_argv(spec())
+    own = ["--kv-events-config", '{"enable_kv_cache_events": false}']
+    argv = vllm_argv(spec(kv_events_port=7001, extra_args=own))
+    assert argv.count("--kv-events-config") == 1 and config_of(argv) == {
+        "enable_kv_cache_events": False
+    }
+
+
+def test_block_size_from_the_arguments_or_the_engine_default():
+    assert block_size(spec()) == 128
+    assert block_size(spec(engine="vllm")) == 16
+    assert block_size(spec(engine="sim")) == 16  # the simulator models a GPU
+    assert block_size(spec(extra_args=["--block-size", "32"])) == 32
+    assert engine_block_size("vllm", ["--block-size=64"]) == 64

@@ -1,0 +1,109 @@
+"""PrefixIndex: our chained hashes from BlockStored, removal by the engine's hash."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcserve.router import kv_wire as kw
+from hpcserve.router.prefix_hash import (
+    chain_hashes,
+    chain_seed,
+    engine_key,
+    prompt_block_hashes,
+)
+from hpcserve.router.prefix_index import PrefixIndex
+
+BS = 4
+PROMPT = list(range(100, 118))  # 4 full blocks and a partial one
+
+
+def stored(hashes, tokens, parent=None, lora=None):
+    return kw.BlockStored(hashes, parent, list(tokens), BS, lora_name=lora)
+
+
+def test_prompt_hashes_cover_full_blocks_only_and_chain():
+    hashes = prompt_block_hashes(PROMPT, BS)
+    assert len(hashes) == 4
+    assert hashes[:2] == prompt_block_hashes(PROMPT[:8], BS)
+    # A different first block changes every later hash.
+    other = prompt_block_hashes([0, *PROMPT[1:]], BS)
+    assert all(a != b for a, b in zip(hashes, other, strict=True))
+    assert all(0 <= h < 2**60 for h in hashes)
+
+
+def test_the_adapter_is_mixed_into_the_chain():
+    assert chain_seed("") != chain_seed("a") != chain_seed("b")
+    assert prompt_block_hashes(PROMPT, BS, "a")[0] != prompt_block_hashes(PROMPT, BS)[0]
+
+
+def test_bad_block_size_is_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        chain_hashes(PROMPT, 0, 1)
+
+
+def test_engine_hash_keys_are_small_ints():
+    assert engine_key(5) == 5
+    assert engine_key(b"x" * 32) == engine_key(b"x" * 32)
+    assert 0 <= engine_key(b"x" * 32) < 2**60
+
+
+def test_stored_blocks_match_the_request_side_hashes():
+    index = PrefixIndex()
+    index.apply("r1", [stored([b"e1", b"e2"], PROMPT[:8])])
+    index.apply("r1", [stored([b"e3"], PROMPT[8:12], parent=b"e2")])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {"r1": 3}
+    assert index.blocks("r1") == 3 and index.block_size("r1") == BS
+
+
+def test_match_reports_each_replicas_own_depth():
+    index = PrefixIndex()
+    index.apply("a", [stored([1, 2, 3], PROMPT[:12])])
+    index.apply("b", [stored([9], PROMPT[:4])])
+    index.apply("c", [stored([5], [0, 0, 0, 0])])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {"a": 3, "b": 1}
+    assert index.match([]) == {}
+    assert index.match(prompt_block_hashes([7] * 8, BS)) == {}
+
+
+def test_block_removed_follows_the_engine():
+    index = PrefixIndex()
+    index.apply("a", [stored([1, 2, 3], PROMPT[:12])])
+    index.apply("a", [kw.BlockRemoved([2])])
+    # Block 2 is gone, so only block 1 is a usable prefix (3 hangs on a missing parent).
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {"a": 1}
+    index.apply("a", [kw.BlockRemoved([1, 3, 99])])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {}
+    assert len(index) == 0
+
+
+def test_all_blocks_cleared_and_drop():
+    index = PrefixIndex()
+    index.apply("a", [stored([1, 2], PROMPT[:8])])
+    index.apply("b", [stored([1, 2], PROMPT[:8])])
+    index.apply("a", [kw.AllBlocksCleared()])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {"b": 2}
+    index.drop("b")
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {} and len(index) == 0
+    # A dropped replica's slot is reused without inheriting anything.
+    index.apply("c", [stored([4], PROMPT[:4])])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {"c": 1}
+
+
+def test_a_child_of_an_unknown_parent_is_an_orphan_not_a_wrong_entry():
+    index = PrefixIndex()
+    index.apply("a", [stored([2], PROMPT[4:8], parent=b"never-seen")])
+    assert index.orphans == 1 and len(index) == 0
+
+
+def test_lora_blocks_match_only_requests_for_that_adapter():
+    index = PrefixIndex()
+    index.apply("a", [stored([1], PROMPT[:4], lora="sql")])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {}
+    assert index.match(prompt_block_hashes(PROMPT, BS, "sql")) == {"a": 1}
+
+
+def test_int_and_bytes_engine_hashes_both_work():
+    index = PrefixIndex()
+    index.apply("a", [stored([b"x" * 32], PROMPT[:4])])
+    index.apply("a", [stored([17], PROMPT[4:8], parent=b"x" * 32)])
+    assert index.match(prompt_block_hashes(PROMPT, BS)) == {"a": 2}

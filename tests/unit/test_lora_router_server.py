@@ -1,0 +1,90 @@
+"""On-demand LoRA through the real router over real ZeroMQ: a Route for an adapter nobody has
+loaded makes the router send LoadAdapter to the engine agent, answers `adapter_loading`
+until the agent reports AdapterLoaded, then routes to that replica; /v1/models material
+(ListModels) lists adapters with their parent."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from hpcserve.config import RouterConfig
+from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.router import protocol as p
+from hpcserve.router.adapters import AdapterCatalog, AdapterRouter, AdapterSource
+from hpcserve.router.client import list_models
+from hpcserve.router.server import RouterServer
+from tests.ports import free_port
+
+SOURCES = [AdapterSource("docs-a", "llama", "/shared/docs-a", b'{"files": []}')]
+
+
+@pytest.fixture
+def lora_router() -> Iterator[RouterServer]:
+    config = RouterConfig(
+        registry_bind=f"tcp://127.0.0.1:{free_port()}",
+        routing_bind=f"tcp://127.0.0.1:{free_port()}",
+        lease_s=5.0,
+        heartbeat_s=0.25,
+        metrics_port=0,
+    )
+    server = RouterServer(config, adapters=AdapterRouter(AdapterCatalog(lambda: SOURCES)))
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, name="router", daemon=True)
+    thread.start()
+    assert server.ready.wait(5)
+    yield server
+    server.stop()
+    thread.join(5)
+
+
+def route(sock: zmq.Socket, model: str, request_id: int) -> p.RouteReply:
+    sock.send(p.encode(p.Route(request_id, model)))
+    assert sock.poll(2000), "the router did not answer"
+    reply = p.routing_reply_decoder.decode(sock.recv())
+    assert isinstance(reply, p.RouteReply)
+    return reply
+
+
+def test_an_adapter_is_loaded_on_demand_then_routed_to(lora_router: RouterServer) -> None:
+    registration = p.Register(
+        "r1", "chat", "http://127.0.0.1:9", max_adapters=2, base_model="llama"
+    )
+    agent = RegistryAgent(lora_router.config.registry_bind, registration)
+    asked: list[p.LoadAdapter] = []
+    agent.on_load_adapter = asked.append
+    gateway = zmq.Context.instance().socket(zmq.DEALER)
+    gateway.setsockopt(zmq.LINGER, 0)
+    gateway.connect(lora_router.config.routing_bind)
+    try:
+        agent.register()
+        agent.process_replies(1.0)
+        assert agent.registered
+        listed = {
+            m.id: (m.replicas, m.parent) for m in list_models(lora_router.config.routing_bind)
+        }
+        assert listed == {"chat": (1, ""), "docs-a": (0, "chat")}
+
+        assert route(gateway, "docs-a", 1).error == "adapter_loading"
+        agent.process_replies(1.0)
+        assert [(m.replica_id, m.adapter, m.source) for m in asked] == [
+            ("r1", "docs-a", "/shared/docs-a")
+        ]
+        assert route(gateway, "docs-a", 2).error == "adapter_loading"  # no second load
+        agent.send(p.AdapterLoaded("r1", "docs-a", adapters=["docs-a"]))
+        agent.heartbeat(p.ReplicaLoad(), ["docs-a"])
+        agent.process_replies(0.3)
+        reply = route(gateway, "docs-a", 3)
+        assert (reply.replica_id, reply.url, reply.error) == ("r1", "http://127.0.0.1:9", "")
+        assert len(asked) == 1
+        assert route(gateway, "no-such-adapter", 4).error == "no_replica"
+        listed = {
+            m.id: (m.replicas, m.parent) for m in list_models(lora_router.config.routing_bind)
+        }
+        assert listed["docs-a"] == (1, "chat")
+    finally:
+        gateway.close(0)
+        agent.close()
