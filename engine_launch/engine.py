@@ -52,7 +52,7 @@ from hpcserve.ports import free_port
 from hpcserve.router import protocol as p
 
 if TYPE_CHECKING:
-    from hpcserve.health.replica import EngineHealth
+    from hpcserve.health.replica import EngineHealth, WorkerHealth
 
 log = logging.getLogger(__name__)
 
@@ -508,6 +508,7 @@ class EngineRunner:
         )
         failure: EngineFailed | None = None
         link: WorkerLink | None = None
+        health: WorkerHealth | None = None
         try:
             self.prepare_model()
             self.start_vllm()
@@ -526,6 +527,7 @@ class EngineRunner:
                     raise EngineFailed(str(err)) from None
             if link is not None:
                 log.info("joined the head engine at %s", head)
+                health = self._start_worker_health()
             while link is not None and not self._stop.is_set():
                 code = proc.poll()
                 if code is not None:
@@ -533,14 +535,35 @@ class EngineRunner:
                 if link.head_gone(0.5):
                     log.info("the head engine closed the link: stopping the workers")
                     break
+                reason = health.step() if health is not None else ""
+                if reason:
+                    # Rank 0 sees this rank go and fails the replica; the pool manager
+                    # drains this node from the report.
+                    raise EngineFailed(f"health: {reason}")
             if link is None and proc.poll() is not None and not self._stop.is_set():
                 raise EngineFailed(f"headless vLLM exited with code {proc.returncode}")
         except EngineFailed as err:
             failure = err
             log.error("engine failed: %s", err)
         finally:
+            if health is not None:
+                health.stop()
             if link is not None:
                 link.close()
             code = self.stop_vllm()
             log.info("engine stopped (vLLM exit code %s)", code)
         return 1 if failure else 0
+
+    def _start_worker_health(self) -> WorkerHealth | None:
+        from hpcserve.health.replica import WorkerHealth
+
+        registration = p.Register(
+            replica_id=f"{self.replica_id}-rank{self.node_rank}",
+            model=self.options.served_model_name,
+            url="",
+            pool=self.options.pool,
+            slurm_job_id=self.topology.job_id,
+            node=self.topology.node or socket.gethostname(),
+        )
+        agent = RegistryAgent(self.options.router, registration, curve_dir=self.options.curve_dir)
+        return WorkerHealth.start(agent, registration)

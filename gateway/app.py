@@ -71,7 +71,12 @@ class Gateway:
         self.batch = batch
         self.configured_models = configured_models
         self.keys = KeyRing(config.api_keys, tenants=config.tenants, admin_keys=config.admin_keys)
-        self.routing = RoutingClient(routing_endpoint, timeout_s=config.route_timeout_s)
+        self.routing = RoutingClient(
+            routing_endpoint,
+            timeout_s=config.route_timeout_s,
+            view_refresh_s=config.replica_view_s,
+            view_max_age_s=config.replica_view_max_age_s,
+        )
         self.relay = relay or Relay(upstream_timeout_s=config.upstream_timeout_s)
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.metrics_registry)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from typing import Any, TypeVar
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from hpcserve.gateway.replica_view import ReplicaView
 from hpcserve.router import protocol as p
 
 log = logging.getLogger(__name__)
@@ -31,9 +33,21 @@ class RouterUnavailable(Exception):
 
 
 class RoutingClient:
-    def __init__(self, endpoint: str, *, timeout_s: float, adapter_wait_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float,
+        adapter_wait_s: float = 60.0,
+        view_refresh_s: float = 2.0,
+        view_max_age_s: float = 300.0,
+    ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        # The last known replica set, routed on while the router is away.
+        self.view = ReplicaView(view_max_age_s, clock=time.monotonic)
+        self.view_refresh_s = view_refresh_s
+        self._viewer: asyncio.Task[None] | None = None
         # A LoRA adapter loaded on demand (router/adapters.py): how long a request waits.
         self.adapter_wait_s = adapter_wait_s
         self._ctx = zmq.asyncio.Context()
@@ -52,15 +66,25 @@ class RoutingClient:
         sock.connect(self.endpoint)
         self._sock = sock
         self._reader = asyncio.create_task(self._read_replies(), name="routing-client-reader")
+        self._viewer = asyncio.create_task(self._refresh_view(), name="routing-client-view")
         log.info("routing client connected to %s", self.endpoint)
+
+    async def _refresh_view(self) -> None:
+        while True:
+            try:
+                self.view.update((await self.replicas()).replicas)
+            except RouterUnavailable as err:
+                self.view.router_lost(str(err))
+            await asyncio.sleep(self.view_refresh_s)
 
     async def close(self) -> None:
         if self._flush is not None:
             self._flush.cancel()
             self._send_releases()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in (self._viewer, self._reader):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._sock is not None:
             self._sock.close(0)
         self._ctx.term()
@@ -106,15 +130,27 @@ class RoutingClient:
         exclude: list[str] | None = None,
         **hints: Any,
     ) -> p.RouteReply:
-        """`hints`: Route's prefix-routing fields (router/prompt_tokens.py RouteHints)."""
+        """`hints`: Route's prefix-routing fields (router/prompt_tokens.py RouteHints).
+        While the router is away, routes on the last replica set it listed (ReplicaView)."""
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + self.adapter_wait_s
         while True:
+            if self.view.router_away and (fallback := self.view.pick(model, exclude or ())):
+                return fallback
             if exclude:
                 hints["exclude"] = exclude
             if self._released:
                 hints["released"] = self._take_released()
-            reply = await self._ask(p.Route, p.RouteReply, model=model, priority=priority, **hints)
+            try:
+                reply = await self._ask(
+                    p.Route, p.RouteReply, model=model, priority=priority, **hints
+                )
+            except RouterUnavailable as err:
+                self.view.router_lost(str(err))
+                fallback = self.view.pick(model, exclude or ())
+                if fallback is None:
+                    raise
+                return fallback
             hints.pop("released", None)
             # The router is loading the LoRA adapter `model` names: ask again shortly.
             if reply.error != "adapter_loading" or loop.time() >= give_up_at:
@@ -135,6 +171,7 @@ class RoutingClient:
         two per request), or sent alone after `RELEASE_DELAY_S` when no Route comes."""
         if self._sock is None:
             return
+        self.view.released(replica_id)
         self._released.append(replica_id)
         if self._flush is None:
             loop = asyncio.get_running_loop()

@@ -162,6 +162,8 @@ class HealthMonitor:
 
     def check_round(self) -> Report:
         findings = list(self.gpu_checks.run()) if self.gpu_checks is not None else []
+        if not self.engine_url:  # a node rank > 0: its GPUs only, rank 0 probes the engine
+            return Report(findings, round=True)
         result = self.probe.run(self.config.probe_deadline_s)
         if not result.ok:
             findings.append(self.policy.finding("engine_probe", f"engine probe: {result.detail}"))

@@ -7,6 +7,10 @@ serve loop, which owns the router socket.
   out of routing longer than health.give_up_s, it gives up (the job fails and is replaced);
 - drain or drain_reset: the replica leaves routing and drains (in-flight requests finish),
   the job ends, and the pool manager drains the node in Slurm and replaces the capacity.
+
+On node ranks > 0 of a multi-node replica (WorkerHealth) only the node's GPUs are checked:
+a finding of stop_routing or worse is reported (the pool manager drains that node) and
+the rank stops its workers, which fails the replica through rank 0 (engine_launch/lifeline.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from hpcserve.health.monitor import HealthMonitor, ReplicaHealth, monitor_for_engine
-from hpcserve.health.policy import drain_reason
+from hpcserve.health.policy import drain_reason, severity, worst_action
 from hpcserve.router import protocol as p
 
 log = logging.getLogger(__name__)
@@ -29,6 +33,8 @@ class Agent(Protocol):
     def register(self) -> None: ...
 
     def send(self, message: p.RegistryMessage) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class EngineHealth:
@@ -115,3 +121,53 @@ class EngineHealth:
 
     def stop(self) -> None:
         self.monitor.stop()
+
+
+class WorkerHealth:
+    """GPU checks of a node rank > 0; its findings go to the router under the rank's own id."""
+
+    def __init__(self, monitor: HealthMonitor, agent: Agent, registration: p.Register) -> None:
+        self.monitor = monitor
+        self.agent = agent
+        self.registration = registration
+
+    @classmethod
+    def start(cls, agent: Agent, registration: p.Register) -> WorkerHealth | None:
+        monitor = monitor_for_engine(
+            engine="vllm", engine_url="", model=registration.model, node=registration.node
+        )
+        if monitor is None:
+            return None
+        monitor.start()
+        return cls(monitor, agent, registration)
+
+    def step(self) -> str:
+        """The reason this rank must stop its workers, or "" while its GPUs are sound."""
+        reg = self.registration
+        for report in self.monitor.reports():
+            if not report.findings:
+                continue
+            for finding in report.findings:
+                log.warning(
+                    "health: %s (check %s, action %s)",
+                    finding.detail,
+                    finding.check,
+                    finding.action,
+                )
+            if severity(worst_action(report.findings)) < severity("stop_routing"):
+                continue
+            self.agent.send(
+                p.HealthReport(
+                    replica_id=reg.replica_id,
+                    findings=list(report.findings),
+                    node=reg.node,
+                    slurm_job_id=reg.slurm_job_id,
+                    pool=reg.pool,
+                )
+            )
+            return drain_reason(report.findings)
+        return ""
+
+    def stop(self) -> None:
+        self.monitor.stop()
+        self.agent.close()  # lingers long enough to deliver a report just sent

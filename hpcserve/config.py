@@ -133,6 +133,11 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     upstream_timeout_s: PosFloat = 600.0
     # How long a request may wait for the router's answer before 503.
     route_timeout_s: PosFloat = 2.0
+    # How often the gateway copies the router's replica set, which it routes on while the
+    # router does not answer (gateway/replica_view.py); a copy older than the max age is
+    # not used.
+    replica_view_s: PosFloat = 2.0
+    replica_view_max_age_s: PosFloat = 300.0
     max_body_bytes: PosInt = 4 * 1024 * 1024
     api_keys: list[ApiKey] = []
     # sha256 of admin keys (admin endpoints, every tenant's batches and files); never tenant keys.

@@ -201,12 +201,22 @@ class AdapterRouter:
         for gone in self._replicas.keys() - live_by_id.keys():
             del self._replicas[gone]
         source = self.catalog.get(adapter)
-        holders = [live_by_id[rid] for rid, s in self._replicas.items() if adapter in s.loaded]
+        # A replica out of routing (unhealthy, draining) neither serves nor gets a load.
+        routable = {rid for rid, r in live_by_id.items() if r.routable}
+        holders = [
+            live_by_id[rid]
+            for rid, s in self._replicas.items()
+            if adapter in s.loaded and rid in routable
+        ]
         if holders:
             return AdapterDecision(candidates=holders)
         if source is None:
             return AdapterDecision(error=NO_REPLICA)
-        eligible = [rid for rid, s in self._replicas.items() if s.base_model == source.base_model]
+        eligible = [
+            rid
+            for rid, s in self._replicas.items()
+            if s.base_model == source.base_model and rid in routable
+        ]
         if not eligible:
             return AdapterDecision(error=NO_REPLICA)
         for rid in eligible:

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +20,7 @@ from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
+from tests.services import service, sim_engine_argv
 
 MODEL = "fuzz"
 KEY = "sk-fuzz"
@@ -117,25 +115,9 @@ bodies = st.fixed_dictionaries(
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcserve.engine_launch.sim_engine", "--port", str(port),
-         "--served-model-name", MODEL, "--decode-ms-per-token", "0.1",
-         "--max-model-len", "256"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            httpx.get(url + "/health", timeout=1)
-            break
-        except httpx.TransportError:
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.1)
-    yield url
-    proc.kill()
-    proc.wait(10)
+    with service(sim_engine_argv(port, MODEL, 0.1, "--max-model-len", "256"), url):
+        yield url
 
 
 @pytest.fixture

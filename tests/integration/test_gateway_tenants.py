@@ -4,7 +4,6 @@ tenant limits (also across two gateways), usage counting, failover, overflow, tr
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from hpcserve.gateway.tracing import Tracing
 from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
+from tests.services import gateway_argv, sim_engine_argv, stop, wait_healthy
 
 MODEL = "tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -57,21 +57,18 @@ class SimEngine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hpcserve.engine_launch.sim_engine", "--port", str(self.port),
-             "--served-model-name", name, "--decode-ms-per-token", str(decode_ms)],
+            sim_engine_argv(self.port, name, decode_ms),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                httpx.get(self.url + "/health", timeout=1)
-                return
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and self.proc.poll() is None
-                time.sleep(0.1)
+        )
+        try:
+            wait_healthy(self.url, self.proc)
+        except AssertionError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
+        """SIGKILL: an engine dying mid-request, not one draining."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
@@ -328,22 +325,13 @@ def test_limits_hold_across_two_gateway_processes(
         path.write_text(dump_config(config))
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "hpcserve.cli", "gateway", "--config", str(path)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                gateway_argv(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
         )
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for url, proc in zip(urls, procs, strict=True):
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    httpx.get(url + "/health", timeout=1)
-                    break
-                except httpx.TransportError:
-                    assert time.monotonic() < deadline and proc.poll() is None
-                    time.sleep(0.1)
+            wait_healthy(url, proc)
 
         def post(url: str) -> int:
             return httpx.post(
@@ -355,6 +343,4 @@ def test_limits_hold_across_two_gateway_processes(
         assert [post(urls[0]), post(urls[1])] == [429, 429]
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(20)
+            stop(proc)

@@ -4,7 +4,6 @@ silent engine do to a request."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,9 +13,10 @@ import pytest
 
 from hpcserve.config import dump_config, hash_api_key, parse_config
 from hpcserve.engine_launch.load import parse_vllm_load
-from hpcserve.router.client import list_replicas
+from hpcserve.router.client import RouterQueryError, list_replicas
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
+from tests.services import gateway_argv, service
 
 KEY = "sk-upstream-test"
 
@@ -28,31 +28,16 @@ def gateway(router: RouterServer, tmp_path: Path) -> Iterator[str]:
         "router": {"registry_bind": router.config.registry_bind,
                    "routing_bind": router.config.routing_bind,
                    "lease_s": router.config.lease_s, "heartbeat_s": router.config.heartbeat_s},
-        "gateway": {"port": port, "upstream_timeout_s": 0.5,
+        "gateway": {"port": port, "upstream_timeout_s": 0.5, "route_timeout_s": 1.0,
+                    "replica_view_s": 0.2,
                     "api_keys": [{"tenant": "t", "sha256": hash_api_key(KEY)}]},
         "pools": [{"name": "sim", "model_path": "/nonexistent", "engine": "sim"}],
     })  # fmt: skip
     path = tmp_path / "gateway.toml"
     path.write_text(dump_config(config))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hpcserve.cli", "gateway", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
+    with service(gateway_argv(path), url):
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 def running_in_engine(router: RouterServer) -> int:
@@ -100,3 +85,25 @@ def test_an_engine_silent_past_the_upstream_timeout_is_a_504(
     error = response.json()["error"]
     assert error["code"] == "upstream_timeout"
     assert "gateway.upstream_timeout_s" in error["message"]
+
+
+def test_requests_keep_flowing_on_the_last_known_replicas_while_the_router_is_away(
+    engine: subprocess.Popen[str],
+    gateway: str,
+    router: RouterServer,
+) -> None:
+    def complete(model: str = "sim") -> int:
+        body = {"model": model, "prompt": "x", "max_tokens": 3}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        return httpx.post(
+            gateway + "/v1/completions", json=body, headers=headers, timeout=10
+        ).status_code
+
+    assert complete() == 200
+    time.sleep(0.5)  # the gateway copies the replica set every 0.2 s
+    router.stop()
+    time.sleep(0.5)  # the router's loop ends within one tick (0.25 s here)
+    with pytest.raises(RouterQueryError):
+        list_replicas(router.config.routing_bind, timeout_s=1.0)
+    assert [complete() for _ in range(5)] == [200] * 5, "routed on the last known set"
+    assert complete("unknown-model") == 503, "nothing known for it: no replica"

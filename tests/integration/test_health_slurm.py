@@ -188,6 +188,43 @@ def test_xid_79_takes_the_replica_out_drains_the_node_and_moves_the_capacity(
     assert manager.node_health.actions.labels("drain")._value.get() == 1
 
 
+def test_xid_79_on_a_worker_node_of_a_two_node_replica_drains_that_node(
+    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path, nodes_back: None
+) -> None:
+    config = health_config(cluster, router, tmp_path, "hx3")
+    (pool,) = config.pools
+    two_nodes = msgspec.structs.replace(pool, nodes_per_replica=2, tensor_parallel=2)
+    config = msgspec.structs.replace(
+        config,
+        pools=[two_nodes],
+        slurm=msgspec.structs.replace(config.slurm, time_limit_min=30, drain_s=20),
+    )
+    manager = PoolManager(config, slurm)
+
+    def poll_until(what: str, condition: Any, timeout: float = 30) -> Any:
+        return wait_for(what, lambda: (manager.poll_once(), condition())[1], timeout=timeout)
+
+    poll_until("a serving two-node replica", lambda: len(serving_jobs(router)) == 1)
+    (job,) = active(slurm, "hx3")
+    head, worker = job.nodes
+    (replica,) = list_replicas(router.config.routing_bind)
+    assert replica.node == head, "rank 0 registers; the worker rank is headless"
+    gpus = [dict(g) for g in HEALTHY]
+    gpus[3]["xids"] = [79]
+    write_gpus(tmp_path, worker, gpus)  # the fault is on the worker rank's node
+
+    wait_for("the replica out of routing", lambda: job.job_id not in serving_jobs(router))
+    poll_until("the worker's node drained", lambda: node_state(slurm, worker).drained)
+    assert node_state(slurm, worker).reason == "hpcserve: xid 79 gpu 3"
+    assert not node_state(slurm, head).drained, "only the faulty node is drained"
+    wait_for(
+        "the job to end",
+        lambda: all(not j.state.is_active for j in slurm.jobs().jobs if j.job_id == job.job_id),
+    )
+    log = next((tmp_path / "jobs").glob(f"hx3-p-{job.job_id}.out")).read_text()
+    assert "health: xid 79 gpu 3 (check xid, action drain)" in log
+
+
 def run_check(config_path: Path, node: str, gpus_file: Path) -> tuple[int, str]:
     res = subprocess.run(
         [sys.executable, "-m", "hpcserve.cli", "health", "check", "--drain",

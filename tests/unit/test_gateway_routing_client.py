@@ -18,13 +18,19 @@ def test_releases_fold_into_the_next_route_or_are_sent_alone() -> None:
         await client.start()
 
         async def answer() -> p.RoutingMessage:
-            while not router.poll(0):
-                await asyncio.sleep(0.001)
-            peer, payload = router.recv_multipart()
-            msg = p.routing_message_decoder.decode(payload)
-            if isinstance(msg, p.Route):
-                router.send_multipart([peer, p.encode(p.RouteReply(msg.request_id, "r1", "u"))])
-            return msg
+            """The next Route or Release; the client's replica-view refreshes are answered."""
+            while True:
+                while not router.poll(0):
+                    await asyncio.sleep(0.001)
+                peer, payload = router.recv_multipart()
+                msg = p.routing_message_decoder.decode(payload)
+                if isinstance(msg, p.ListReplicas):
+                    router.send_multipart([peer, p.encode(p.ReplicaList(msg.request_id))])
+                    continue
+                if isinstance(msg, p.Route):
+                    reply = p.RouteReply(msg.request_id, "r1", "u")
+                    router.send_multipart([peer, p.encode(reply)])
+                return msg
 
         try:
             client.release("r0")

@@ -17,7 +17,7 @@ from hpcserve.health.monitor import (
     monitor_for_engine,
 )
 from hpcserve.health.policy import Policy
-from hpcserve.health.replica import EngineHealth
+from hpcserve.health.replica import EngineHealth, WorkerHealth
 from hpcserve.router import protocol as p
 
 POLICY = Policy()
@@ -80,6 +80,9 @@ class FakeAgent:
 
     def send(self, message: p.RegistryMessage) -> None:
         self.sent.append(message)
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class ScriptedMonitor(HealthMonitor):
@@ -193,3 +196,31 @@ def test_the_pool_manager_passes_the_health_table_to_the_job() -> None:
     tuned = parse_config({"pools": [pool], "health": {"probe_interval_s": 2, "stall_s": 20}})
     env = dict(build_job_spec(tuned, tuned.pools[0]).env)
     assert health_config_from_env(env) == tuned.health
+
+
+def test_a_worker_rank_reports_node_faults_and_stops_its_workers() -> None:
+    agent = FakeAgent()
+    rank1 = p.Register("r1-rank1", "m", "", pool="p", slurm_job_id=42, node="n2")
+    monitor = ScriptedMonitor([Report([XID13]), Report([HOT], round=True)])
+    health = WorkerHealth(monitor, agent, rank1)
+    assert health.step() == "" and agent.sent == [], "log-only findings stay in the job log"
+    monitor.script = [Report([XID79])]
+    assert health.step() == "hpcserve: xid 79 gpu 3"
+    assert agent.sent == [p.HealthReport("r1-rank1", [XID79], node="n2", slurm_job_id=42, pool="p")]
+    health.stop()
+    assert agent.closed
+
+
+def test_a_monitor_without_an_engine_url_checks_only_the_gpus(tmp_path: Path) -> None:
+    state = tmp_path / "nvml-n2.json"
+    state.write_text(json.dumps({"gpus": [{}, {}]}))
+    env = {"HPCSERVE_HEALTH": json.dumps({"fake_nvml": str(tmp_path / "nvml-{node}.json")})}
+    monitor = monitor_for_engine(engine="vllm", engine_url="", model="m", node="n2", env=env)
+    assert monitor is not None and monitor.gpu_checks is not None
+    try:
+        assert monitor.check_round() == Report([], round=True)
+        state.write_text(json.dumps({"gpus": [{}, {"ecc_uncorrected_volatile": 2}]}))
+        (finding,) = monitor.check_round().findings
+        assert finding.gpu == 1 and finding.action != "log"
+    finally:
+        monitor.stop()

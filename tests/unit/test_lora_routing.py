@@ -87,6 +87,16 @@ def test_missing_adapter_is_loaded_on_the_least_loaded_replica() -> None:
     assert [r.replica_id for r in router.route("docs-a", registry).candidates] == ["idle"]
 
 
+def test_a_replica_out_of_routing_neither_serves_nor_loads_adapters() -> None:
+    clock = Clock()
+    router, registry = make(clock)
+    register(router, registry, "sick", ["docs-a"])
+    register(router, registry, "well", [], waiting=9)
+    registry.set_routable("sick", False)
+    decision = router.route("docs-a", registry)
+    assert decision.error == LOADING and decision.peer == b"well"
+
+
 def test_a_full_replica_unloads_its_least_recently_used_adapter() -> None:
     clock = Clock()
     router, registry = make(clock)

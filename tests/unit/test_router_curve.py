@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -60,7 +62,9 @@ def test_keys_cli_writes_keys_once(tmp_path, capsys):
     assert main(["keys", "--dir", str(tmp_path / "k"), "--force"]) == 0
 
 
-def test_only_engines_with_the_cluster_key_can_register(tmp_path):
+@pytest.fixture
+def curve_router(tmp_path) -> Iterator[tuple[RouterServer, Path]]:
+    """A running router whose registry socket takes only engines with the keys in the dir."""
     keys = generate_keys(tmp_path / "curve")
     config = RouterConfig(
         registry_bind=f"tcp://127.0.0.1:{free_port()}",
@@ -73,6 +77,16 @@ def test_only_engines_with_the_cluster_key_can_register(tmp_path):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     assert server.ready.wait(5)
+    try:
+        yield server, keys
+    finally:
+        server.stop()
+        thread.join(5)
+
+
+def test_only_engines_with_the_cluster_key_can_register(curve_router, tmp_path):
+    server, keys = curve_router
+    config = server.config
     trusted = RegistryAgent(
         config.registry_bind, p.Register("good", "m", "http://good"), curve_dir=str(keys)
     )
@@ -102,8 +116,6 @@ def test_only_engines_with_the_cluster_key_can_register(tmp_path):
         trusted.close()
         plain.close(0)
         stranger.close(0)
-        server.stop()
-        thread.join(5)
 
 
 def test_router_refuses_a_plain_public_registry():
@@ -118,19 +130,9 @@ def test_router_refuses_a_plain_public_registry():
     server.kv_events.close()
 
 
-def test_an_engine_with_a_wrong_key_never_blocks_and_says_why(tmp_path, caplog):
-    keys = generate_keys(tmp_path / "curve")
-    config = RouterConfig(
-        registry_bind=f"tcp://127.0.0.1:{free_port()}",
-        routing_bind=f"tcp://127.0.0.1:{free_port()}",
-        metrics_port=0,
-        curve_dir=str(keys),
-    )
-    server = RouterServer(config)
-    server.bind()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    assert server.ready.wait(5)
+def test_an_engine_with_a_wrong_key_never_blocks_and_says_why(curve_router, tmp_path, caplog):
+    server, keys = curve_router
+    config = server.config
     other = generate_keys(tmp_path / "other")
     (other / "router.key").write_bytes((keys / "router.key").read_bytes())
     agent = RegistryAgent(
@@ -147,5 +149,3 @@ def test_an_engine_with_a_wrong_key_never_blocks_and_says_why(tmp_path, caplog):
         assert list(server.registry) == []
     finally:
         agent.close()
-        server.stop()
-        thread.join(5)

@@ -1,0 +1,83 @@
+"""The last replica set the router listed, for routing while the router is away.
+
+Every `gateway.replica_view_s` the routing client asks the router for its replicas. When the
+router stops answering (restart, network), requests go to the replicas of this last known
+set, least loaded by this gateway's own count, until the router answers again; no prefix
+awareness meanwhile. A set older than `max_age_s` is not trusted: then 503 as before.
+A replica that has died since is found by the request itself (failover retries once
+elsewhere, `Route.exclude`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterable
+
+from hpcserve.router import protocol as p
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaView:
+    def __init__(
+        self,
+        max_age_s: float,
+        clock: Callable[[], float],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._by_model: dict[str, list[tuple[str, str]]] = {}
+        self._updated_at: float | None = None
+        self._in_flight: dict[str, int] = {}
+        self.router_away = False
+
+    def update(self, replicas: Iterable[p.ReplicaInfo]) -> None:
+        by_model: dict[str, list[tuple[str, str]]] = {}
+        for r in replicas:
+            by_model.setdefault(r.model, []).append((r.replica_id, r.url))
+        self._by_model = by_model
+        self._updated_at = self._clock()
+        if self.router_away:
+            log.info("router answers again: routing by the router")
+            self.router_away = False
+            self._in_flight.clear()
+
+    def router_lost(self, why: str) -> None:
+        if not self.router_away:
+            age = self.age_s()
+            log.warning(
+                "router unavailable (%s): routing on the last known replica set (%s)",
+                why,
+                "none known" if age is None else f"{age:.1f}s old",
+            )
+            self.router_away = True
+
+    def age_s(self) -> float | None:
+        return None if self._updated_at is None else self._clock() - self._updated_at
+
+    def pick(self, model: str, exclude: Iterable[str] = ()) -> p.RouteReply | None:
+        """A replica of the last known set for `model`, least loaded by this gateway."""
+        age = self.age_s()
+        if age is None or age > self.max_age_s:
+            return None
+        skip = set(exclude)
+        candidates = [r for r in self._by_model.get(model, ()) if r[0] not in skip]
+        if not candidates:
+            return None
+        lowest = min(self._in_flight.get(rid, 0) for rid, _ in candidates)
+        replica_id, url = self._rng.choice(
+            [r for r in candidates if self._in_flight.get(r[0], 0) == lowest]
+        )
+        self._in_flight[replica_id] = lowest + 1
+        return p.RouteReply(0, replica_id, url)
+
+    def released(self, replica_id: str) -> None:
+        count = self._in_flight.get(replica_id)
+        if count is not None:
+            if count <= 1:
+                del self._in_flight[replica_id]
+            else:
+                self._in_flight[replica_id] = count - 1

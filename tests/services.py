@@ -1,0 +1,56 @@
+"""Subprocess services for tests (gateways, simulated engines): started, waited on until
+their /health answers, and always stopped, even when the wait fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """Until `url`/health answers; fails at once if the process has exited."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(url + "/health", timeout=1)
+            return
+        except httpx.TransportError:
+            assert proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
+            assert time.monotonic() < deadline, f"{url} not healthy after {timeout_s:g} s"
+            time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait(10)
+
+
+@contextmanager
+def service(argv: list[str], url: str, timeout_s: float = 30) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_healthy(url, proc, timeout_s)
+        yield proc
+    finally:
+        stop(proc)
+
+
+def gateway_argv(config_path: object) -> list[str]:
+    return [sys.executable, "-m", "hpcserve.cli", "gateway", "--config", str(config_path)]
+
+
+def sim_engine_argv(port: int, model: str, decode_ms: float, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "hpcserve.engine_launch.sim_engine", "--port", str(port),
+        "--served-model-name", model, "--decode-ms-per-token", str(decode_ms), *extra,
+    ]  # fmt: skip
