@@ -239,7 +239,8 @@ class Gateway:
             )
         hints: dict[str, Any] = {}
         if self.route_hints is not None and endpoint in _GENERATING:
-            hints = self.route_hints.hints(model, _dict.decode(body), request.headers)
+            payload = _dict.decode(body) if self.route_hints.covers(model) else {}
+            hints = self.route_hints.hints(model, payload, request.headers)
         exclude: list[str] = []
         failure: errors.APIError | None = None
         for _attempt in range(2):

@@ -153,6 +153,11 @@ class RouteHints:
             prompt = prompt[0]
         return tokenizer.prompt_tokens(prompt)  # type: ignore[arg-type]
 
+    def covers(self, model: str) -> bool:
+        """Whether `model`'s prompts are hashed (its tokenizer is known), so the caller decodes
+        a request body for `hints` only when it is used."""
+        return self._adapters.get(model, model) in self._models
+
     def hints(
         self, model: str, payload: Mapping[str, Any], headers: Mapping[str, str]
     ) -> dict[str, Any]:
