@@ -17,7 +17,7 @@ test: bootstrap
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check hpcserve router gateway poolmgr engine_launch
+	$(VENV)/bin/ruff format --check hpcserve router gateway poolmgr engine_launch health sim modelcache
 
 status: bootstrap
 	$(VENV)/bin/hpcserve status --config $(STATE)/hpcserve.toml

@@ -445,7 +445,9 @@ def _check_health(health: HealthConfig) -> None:
                 f"health.actions: unknown check {key!r}; checks: {', '.join(sorted(CHECKS))}"
             )
     uses_reset = "drain_reset" in (
-        *health.xid_actions.values(), *health.actions.values(), health.xid_default
+        *health.xid_actions.values(),
+        *health.actions.values(),
+        health.xid_default,
     )
     if uses_reset and not health.reset_hook:
         raise ConfigError(
