@@ -5,40 +5,27 @@ until the agent reports AdapterLoaded, then routes to that replica; /v1/models m
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import pytest
 import zmq
 
-from hpcserve.config import RouterConfig
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.router import protocol as p
 from hpcserve.router.adapters import AdapterCatalog, AdapterRouter, AdapterSource
 from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
-from tests.ports import free_port
+from tests.routers import loopback_router_config, running_router
 
 SOURCES = [AdapterSource("docs-a", "llama", "/shared/docs-a", b'{"files": []}')]
 
 
 @pytest.fixture
 def lora_router() -> Iterator[RouterServer]:
-    config = RouterConfig(
-        registry_bind=f"tcp://127.0.0.1:{free_port()}",
-        routing_bind=f"tcp://127.0.0.1:{free_port()}",
-        lease_s=5.0,
-        heartbeat_s=0.25,
-        metrics_port=0,
-    )
-    server = RouterServer(config, adapters=AdapterRouter(AdapterCatalog(lambda: SOURCES)))
-    server.bind()
-    thread = threading.Thread(target=server.serve_forever, name="router", daemon=True)
-    thread.start()
-    assert server.ready.wait(5)
-    yield server
-    server.stop()
-    thread.join(5)
+    config = loopback_router_config(lease_s=5.0)
+    adapters = AdapterRouter(AdapterCatalog(lambda: SOURCES))
+    with running_router(config, adapters=adapters) as server:
+        yield server
 
 
 def route(sock: zmq.Socket, model: str, request_id: int) -> p.RouteReply:

@@ -4,7 +4,6 @@ cannot; plain mode is refused on a non-loopback bind unless allowed."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +24,7 @@ from hpcserve.router.curve import (
 )
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
+from tests.routers import loopback_router_config, running_router
 
 
 @pytest.mark.parametrize(
@@ -66,22 +66,9 @@ def test_keys_cli_writes_keys_once(tmp_path, capsys):
 def curve_router(tmp_path) -> Iterator[tuple[RouterServer, Path]]:
     """A running router whose registry socket takes only engines with the keys in the dir."""
     keys = generate_keys(tmp_path / "curve")
-    config = RouterConfig(
-        registry_bind=f"tcp://127.0.0.1:{free_port()}",
-        routing_bind=f"tcp://127.0.0.1:{free_port()}",
-        metrics_port=0,
-        curve_dir=str(keys),
-    )
-    server = RouterServer(config)
-    server.bind()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    assert server.ready.wait(5)
-    try:
+    config = loopback_router_config(curve_dir=str(keys), lease_s=6.0, heartbeat_s=2.0)
+    with running_router(config) as server:
         yield server, keys
-    finally:
-        server.stop()
-        thread.join(5)
 
 
 def test_only_engines_with_the_cluster_key_can_register(curve_router, tmp_path):

@@ -1,0 +1,38 @@
+"""A real router on free loopback ports, served from a thread, for tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from hpcserve.config import RouterConfig
+from hpcserve.router.server import RouterServer
+from tests.ports import free_port
+
+
+def loopback_router_config(**overrides: Any) -> RouterConfig:
+    settings: dict[str, Any] = {
+        "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+        "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+        "lease_s": 1.0,
+        "heartbeat_s": 0.25,
+        "metrics_port": 0,
+        **overrides,
+    }
+    return RouterConfig(**settings)
+
+
+@contextmanager
+def running_router(config: RouterConfig, **server_args: Any) -> Iterator[RouterServer]:
+    server = RouterServer(config, **server_args)
+    server.bind()
+    thread = threading.Thread(target=server.serve_forever, name="router", daemon=True)
+    thread.start()
+    try:
+        assert server.ready.wait(5)
+        yield server
+    finally:
+        server.stop()
+        thread.join(5)
