@@ -27,8 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from bench.http_wait import wait_http  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.router import protocol as p  # noqa: E402
@@ -50,19 +49,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def wait_http(url: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except urllib.error.HTTPError:
-            return
-        except Exception:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def request_for(i: int) -> tuple[str, dict[str, object] | bytes]:

@@ -35,13 +35,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.http_wait import wait_http  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.router import protocol as p  # noqa: E402
@@ -248,19 +247,6 @@ def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
 
 
 # -- the driver ---------------------------------------------------------------------------
-
-
-def wait_http(url: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except urllib.error.HTTPError:
-            return  # it answered
-        except Exception:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 def run_wrk(url: str, body_file: Path, connections: int, seconds: int) -> dict[str, float]:

@@ -177,15 +177,20 @@ def test_a_second_process_waits_for_the_first_stager(tmp_path, model) -> None:
     assert [r.copied for r in results] == [True]
 
 
+def flip_bit(shard: Path, offset: int) -> bytes:
+    """Corrupt one bit of a staged (read-only) file in place; the new content."""
+    shard.chmod(0o644)
+    data = bytearray(shard.read_bytes())
+    data[offset] ^= 0x01
+    shard.write_bytes(data)
+    return bytes(data)
+
+
 def test_a_corrupt_cached_file_is_detected_and_restaged(tmp_path, model) -> None:
     src, manifest = model
     cache = NodeCache(tmp_path / "cache")
     staged = _stage(src, manifest, cache)
-    shard = staged.path / "model-00002-of-00002.safetensors"
-    shard.chmod(0o644)
-    data = bytearray(shard.read_bytes())
-    data[777] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_bit(staged.path / "model-00002-of-00002.safetensors", 777)
     again = _stage(src, manifest, cache)
     assert again.copied and tree_bytes(again.path) == tree_bytes(src)
 
@@ -195,10 +200,7 @@ def test_size_only_hits_catch_truncation_but_not_flipped_bits(tmp_path, model) -
     cache = NodeCache(tmp_path / "cache")
     staged = _stage(src, manifest, cache)
     shard = staged.path / "model-00001-of-00002.safetensors"
-    shard.chmod(0o644)
-    data = bytearray(shard.read_bytes())
-    data[5] ^= 0x01
-    shard.write_bytes(bytes(data))
+    data = flip_bit(shard, 5)
     assert not _stage(src, manifest, cache, verify_hit=False).copied  # the documented trade
     shard.write_bytes(bytes(data[:-1]))
     assert _stage(src, manifest, cache, verify_hit=False).copied
