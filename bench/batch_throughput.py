@@ -21,7 +21,7 @@ roofline timing of `--sim-model` on `--sim-gpu`, `--time-scale` wall s per model
     .venv/bin/python bench/batch_throughput.py --engine vllm-cpu --replicas 1 --requests 200 \
         --prefix-words 200 --doc-words 40 --max-tokens 32
 
-Prints a markdown table and writes bench/results/batch_throughput-<engine>.json.
+Prints a markdown table and writes bench/results/batch_throughput-<engine>[-<tag>].json.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Stack:
         self.engines: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
 
-    def write_config(self, batch_concurrency: int) -> None:
+    def write_config(self, batch_concurrency: str) -> None:
         args, state = self.args, self.state
         registry, routing = self.registry, self.routing
         config = parse_config({
@@ -115,16 +115,19 @@ class Stack:
             "router": {"registry_bind": registry, "routing_bind": routing, "metrics_port": 0},
             "gateway": {"port": self.port, "upstream_timeout_s": 3600,
                         "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}]},
-            "pools": [{"name": MODEL, "model_path": "/nonexistent", "engine": "sim"}],
-            "batch": {"concurrency_per_replica": batch_concurrency,
+            "pools": [{"name": MODEL, "model_path": "/nonexistent", "engine": "sim",
+                       "scheduling_policy": args.scheduling_policy}],
+            "batch": {**batch_bound(batch_concurrency),
                       "max_lines": max(50_000, args.requests),
                       "max_file_bytes": 2 * 1024 * 1024 * 1024},
         })  # fmt: skip
         self.config_path.write_text(dump_config(config))
 
-    def _spawn(self, argv: list[str], name: str) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, argv: list[str], name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.state / f"{name}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append(proc)
         return proc
 
@@ -138,7 +141,8 @@ class Stack:
                  "--router", self.registry, "--served-model-name", MODEL, "--no-kv-events",
                  "--sim-gpu", args.sim_gpu, "--sim-model", args.sim_model,
                  "--time-scale", str(args.time_scale), "--max-num-seqs", str(args.max_num_seqs),
-                 "--default-max-tokens", str(args.max_tokens)],
+                 "--default-max-tokens", str(args.max_tokens),
+                 "--scheduling-policy", args.scheduling_policy],
                 "fleet",
             )  # fmt: skip
             self.engines.append(engine)
@@ -151,8 +155,12 @@ class Stack:
                     [*hpcserve, "engine", "--engine", "vllm-cpu", "--model-path", str(model),
                      "--served-model-name", MODEL, "--pool", MODEL, "--router", self.registry,
                      "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
-                     "--", "--dtype", "float32", "--max-model-len", "2048"],
+                     "--", "--dtype", "float32", "--max-model-len", "2048",
+                     "--scheduling-policy", args.scheduling_policy],
                     f"engine{i}",
+                    # Several CPU engines on one machine: not all pinned to core 0.
+                    env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                         "OMP_NUM_THREADS": "1"},
                 )  # fmt: skip
                 self.engines.append(engine)
         deadline = time.monotonic() + (60 if args.engine == "sim" else 900)
@@ -161,7 +169,7 @@ class Stack:
             time.sleep(0.5)
         self.start_gateway()
 
-    def restart_gateway(self, batch_concurrency: int) -> None:
+    def restart_gateway(self, batch_concurrency: str) -> None:
         assert self.gateway is not None
         self.gateway.terminate()
         self.gateway.wait(30)
@@ -210,6 +218,26 @@ class Stack:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def batch_bound(concurrency: str) -> dict[str, Any]:
+    """The [batch] keys of one --batch-concurrency value: "adaptive" (the default config) or
+    a fixed number per replica."""
+    if concurrency == "adaptive":
+        return {"adaptive_concurrency": True}
+    return {"concurrency_per_replica": int(concurrency), "adaptive_concurrency": False}
+
+
+async def batch_limits(url: str) -> dict[str, float]:
+    """The gateway's batch bound per replica of each model now (adapted or fixed)."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    prefix = "hpcserve_batch_concurrency_per_replica{"
+    return {
+        line.split('model="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
 
 
 def cpu_seconds(pid: int) -> float:
@@ -332,12 +360,16 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
             assert response.status == 200, batch
         stop = asyncio.Event()
         ttfts = asyncio.create_task(probes(stack.url, rate, stop, None))
+        bounds: dict[str, list[float]] = {}  # the batch bound per replica, each poll
         while True:
             async with session.get(f"{stack.url}/v1/batches/{batch['id']}") as response:
                 batch = await response.json()
             if batch["status"] in ("completed", "failed", "expired", "cancelled"):
                 break
             await asyncio.sleep(0.25)
+            limits = await batch_limits(stack.url)
+            for model, limit in limits.items():
+                bounds.setdefault(model, []).append(limit)
         wall = time.perf_counter() - started
         cpu = cpu_seconds(stack.gateway.pid) - cpu_before
         stop.set()
@@ -352,6 +384,7 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
         "tokens_per_s": usage["total_tokens"] / wall,
         "gateway_cpu_s": cpu,
         "ttft": probe_ttfts,
+        "bound_per_replica": bounds.get(MODEL, []),
     }
 
 
@@ -467,13 +500,21 @@ def main() -> None:
     )
     parser.add_argument(
         "--batch-concurrency",
-        type=lambda text: [int(x) for x in text.split(",")],
-        default=[32],
-        help="batch.concurrency_per_replica; a comma list runs one batch per value",
+        type=lambda text: text.split(","),
+        default=["adaptive"],
+        help="'adaptive' (the default config: the bound adapts to the engines' queues) or a "
+        "fixed batch.concurrency_per_replica; a comma list runs one batch per value",
+    )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=["priority", "fcfs"],
+        default="priority",
+        help="the engines' (vLLM's --scheduling-policy; the pools' default is priority)",
     )
     parser.add_argument("--probe-rate", type=float, default=2.0, help="interactive req/s")
     parser.add_argument("--idle-probes", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--tag", default="", help="results file suffix: ...-<engine>-<tag>.json")
     args = parser.parse_args()
     rounds = []
     for _ in range(args.rounds):
@@ -507,6 +548,9 @@ def main() -> None:
                 "ttft_p90_vs_idle": p90 / idle_p90 - 1,
                 "gateway_cpu_s": med([b["gateway_cpu_s"] for b in runs]),
                 "engine_cpu_util": med([b["engine_cpu_util"] for b in runs]),
+                # the bound per replica the batch ran at: median and last (adaptive: adapted)
+                "bound_median": med([med(b["bound_per_replica"] or [0]) for b in runs]),
+                "bound_last": med([(b["bound_per_replica"] or [0])[-1] for b in runs]),
             }
         )
     best = rounds[0]["direct"]["concurrency_per_replica"]
@@ -546,17 +590,20 @@ def main() -> None:
         f"interactive TTFT idle: "
         f"p50 {idle_p50:.1f} ms, p90 {idle_p90:.1f} ms\n"
     )
-    print("| batch concurrency per replica | batch tokens/s | of direct | TTFT p50 | TTFT p90 "
-          "| p90 vs idle | gateway CPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| batch concurrency per replica | bound (median, last) | batch tokens/s | of direct "
+          "| TTFT p50 | TTFT p90 | p90 vs idle | gateway CPU |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for row in table:
         print(
-            f"| {row['concurrency_per_replica']} | {row['batch_tokens_per_s']:,.0f} "
+            f"| {row['concurrency_per_replica']} "
+            f"| {row['bound_median']:.0f}, {row['bound_last']:.0f} "
+            f"| {row['batch_tokens_per_s']:,.0f} "
             f"| {row['share_of_direct']:.1%} | {row['ttft_p50_ms']:.1f} ms "
             f"| {row['ttft_p90_ms']:.1f} ms | {row['ttft_p90_vs_idle']:+.0%} "
             f"| {row['gateway_cpu_s']:.1f} s |"
         )
-    out = ROOT / "bench" / "results" / f"batch_throughput-{args.engine}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    out = ROOT / "bench" / "results" / f"batch_throughput-{args.engine}{tag}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)
 

@@ -8,16 +8,23 @@ Targets, interleaved, medians of ROUNDS:
   + quotas  + a tenant with limits: admission, usage counting, the quota sync to the router
   + routing + the real router over ZeroMQ (Route, Release) instead of a static upstream
   + metrics + Prometheus metrics
-  + tracing + OpenTelemetry spans (exported to a sink that drops them): everything on
-The upstream is a fixed-response ASGI server standing in for vLLM (a `stream` request gets
-16 SSE chunks), so the proxy is what is measured. Each gateway is pinned to core 0; wrk,
-the upstream and the router share core 1. Per target: p50/p99 at concurrency 1 and N,
-requests/s (the gateway has one core, so this is per core) and the gateway's CPU time per
-request (from /proc, less sensitive to the machine's other load than req/s).
+  + tracing + request spans (exported by the gateway's background thread to an exporter that
+            drops them): everything on
+The upstream answers with fixed bytes, so the proxy is what is measured: nginx by default
+(`return 200` with a fixed completion, or, for a request marked `X-Request-Id: bench-stream`,
+the 16-event SSE body vLLM streams for the gateway's request: the usage so far on every
+event, then the usage event and [DONE]); `--upstream python` uses a fixed-response ASGI app
+instead (when nginx is not installed). Each gateway is pinned to core 0; wrk, the upstream
+and the router share core 1. Per target: p50/p99 at concurrency 1 and N, requests/s (the
+gateway has one core, so this is per core) and the gateway's CPU time per request (from
+/proc, less sensitive to the machine's other load than req/s). The machine's load average
+before and after is printed with the table.
 
     .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
+        [--upstream nginx|python] [--only relay,tracing]
 
-Needs wrk (Debian package `wrk`). Prints a markdown table and writes bench/results/.
+Needs wrk (Debian package `wrk`) and, by default, nginx (`nginx-light`). Prints a markdown
+table and writes bench/results/proxy_overhead.json.
 """
 
 from __future__ import annotations
@@ -74,14 +81,25 @@ COMPLETION = json.dumps(
         "usage": {"prompt_tokens": 300, "completion_tokens": 20, "total_tokens": 320},
     }
 ).encode()
+_USAGE = b'"usage":{"prompt_tokens":300,"total_tokens":%d,"completion_tokens":%d}'
+# What vLLM streams for the gateway's request (include_usage + continuous_usage_stats): 16
+# token events, each with the usage so far, then the usage-only event and [DONE].
 SSE = (
     b"".join(
         b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":'
-        b'[{"index":0,"delta":{"content":"tok"},"finish_reason":null}]}\n\n'
-        for _ in range(16)
+        b'[{"index":0,"delta":{"content":"tok"},"finish_reason":null}],'
+        + _USAGE % (300 + i, i)
+        + b"}\n\n"
+        for i in range(1, 17)
     )
+    + b'data: {"id":"c","object":"chat.completion.chunk","model":"bench-model","choices":[],'
+    + _USAGE % (316, 16)
+    + b"}\n\n"
     + b"data: [DONE]\n\n"
 )
+# wrk marks a streamed request with this X-Request-Id (forwarded by every proxy measured), so
+# that nginx, which does not read bodies, knows which fixed answer to give.
+STREAM_MARK = "bench-stream"
 
 
 # -- the stand-in upstream ---------------------------------------------------------------
@@ -96,7 +114,8 @@ async def upstream_app(scope, receive, send):  # type: ignore[no-untyped-def]
         body += message.get("body", b"")
         if not message.get("more_body"):
             break
-    if b'"stream": true' in body or b'"stream":true' in body:
+    headers = dict(scope["headers"])
+    if headers.get(b"x-request-id") == STREAM_MARK.encode():
         await send(
             {
                 "type": "http.response.start",
@@ -116,6 +135,49 @@ async def upstream_app(scope, receive, send):  # type: ignore[no-untyped-def]
         }
     )
     await send({"type": "http.response.body", "body": COMPLETION})
+
+
+def nginx_config(work: Path, port: int) -> Path:
+    """nginx answering every POST with the fixed completion, or the SSE body when marked."""
+    (work / "logs").mkdir(exist_ok=True)
+    conf = work / "nginx.conf"
+
+    def quoted(body: bytes) -> str:
+        text = body.decode()
+        assert "'" not in text
+        return "'" + text + "'"
+
+    conf.write_text(
+        f"""daemon off;
+worker_processes 1;
+pid {work}/nginx.pid;
+error_log {work}/logs/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {work}/body;
+    keepalive_requests 1000000;
+    keepalive_timeout 300s;
+    tcp_nodelay on;
+    server {{
+        listen 127.0.0.1:{port} reuseport;
+        location / {{
+            if ($http_x_request_id = "{STREAM_MARK}") {{
+                rewrite ^ /stream-answer last;
+            }}
+            default_type application/json;
+            return 200 {quoted(COMPLETION)};
+        }}
+        location = /stream-answer {{
+            internal;
+            default_type text/event-stream;
+            return 200 {quoted(SSE)};
+        }}
+    }}
+}}
+"""
+    )
+    return conf
 
 
 # -- the feature ladder: the same gateway with features switched on one at a time ---------
@@ -157,7 +219,7 @@ class _StaticRouting:
     async def route(self, model: str, **kwargs: object):  # type: ignore[no-untyped-def]
         return self.reply
 
-    def release(self, replica_id: str) -> None:
+    def release(self, replica_id: str, *args: object) -> None:
         pass
 
     async def sync_quota(self, gateway_id, usage):  # type: ignore[no-untyped-def]
@@ -178,10 +240,12 @@ def plain_relay_app(upstream: str):  # type: ignore[no-untyped-def]
 
     async def relay(request):  # type: ignore[no-untyped-def]
         body = await request.body()
+        headers = {"Content-Type": "application/json"}
+        request_id = request.headers.get("x-request-id")
+        if request_id is not None:
+            headers["x-request-id"] = request_id
         upstream_response = await session["s"].post(
-            upstream + "/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
+            upstream + "/v1/chat/completions", data=body, headers=headers
         )
         if b'"stream": true' not in body:
             payload = await upstream_response.read()
@@ -242,6 +306,7 @@ def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
         loop="uvloop",
         http="httptools",
         access_log=False,
+        proxy_headers=False,  # as gateway/server.py
         log_level="warning",
     )
 
@@ -249,13 +314,16 @@ def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
 # -- the driver ---------------------------------------------------------------------------
 
 
-def run_wrk(url: str, body_file: Path, connections: int, seconds: int) -> dict[str, float]:
+def run_wrk(
+    url: str, body_file: Path, connections: int, seconds: int, *, stream: bool
+) -> dict[str, float]:
     lua = body_file.with_suffix(".lua")
     lua.write_text(
         'wrk.method = "POST"\n'
         f'wrk.body = io.open("{body_file}"):read("*a")\n'
         'wrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
+        + (f'wrk.headers["X-Request-Id"] = "{STREAM_MARK}"\n' if stream else "")
     )
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
@@ -288,6 +356,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument(
+        "--upstream",
+        choices=("nginx", "python"),
+        default="nginx" if shutil.which("nginx") else "python",
+        help="the fixed-answer upstream: nginx (default when installed) or a Python ASGI app",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated targets to run (default: all), e.g. relay,tracing",
+    )
+    parser.add_argument(
         "--serve-gateway",
         nargs=3,
         metavar=("CONFIG", "FEATURE", "UPSTREAM"),
@@ -316,10 +395,15 @@ def main() -> None:
         return proc
 
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
+    load_before = os.getloadavg()
     try:
-        spawn([py, "-m", "uvicorn", "bench.proxy_overhead:upstream_app", "--port",
-               str(upstream_port), "--loop", "uvloop", "--http", "httptools", "--no-access-log",
-               "--log-level", "warning"], "1")  # fmt: skip
+        if args.upstream == "nginx":
+            conf = nginx_config(work, upstream_port)
+            spawn(["nginx", "-p", str(work), "-c", str(conf)], "1")
+        else:
+            spawn([py, "-m", "uvicorn", "bench.proxy_overhead:upstream_app", "--port",
+                   str(upstream_port), "--loop", "uvloop", "--http", "httptools",
+                   "--no-access-log", "--log-level", "warning"], "1")  # fmt: skip
         upstream = f"http://127.0.0.1:{upstream_port}"
         router_cfg = {
             "registry_bind": f"tcp://127.0.0.1:{free_port()}",
@@ -331,7 +415,10 @@ def main() -> None:
         (work / "router.toml").write_text(dump_config(config))
         spawn([py, "-m", "hpcserve.cli", "router", "--config", str(work / "router.toml")], "1")
         gateways: dict[str, tuple[str, int]] = {}
+        only = [t for t in args.only.split(",") if t]
         for feature in FEATURES:
+            if only and feature not in only:
+                continue
             port = free_port()
             limits = (
                 {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
@@ -387,7 +474,13 @@ def main() -> None:
                 for name, (base, pid) in targets.items():
                     key = f"{case} c={conns}"
                     cpu_before = cpu_seconds(pid) if pid else 0.0
-                    r = run_wrk(base + "/v1/chat/completions", bodies[case], conns, args.seconds)
+                    r = run_wrk(
+                        base + "/v1/chat/completions",
+                        bodies[case],
+                        conns,
+                        args.seconds,
+                        stream=case == "stream",
+                    )
                     if pid and r["rps"] > 0:
                         used = cpu_seconds(pid) - cpu_before
                         r["cpu_us"] = used / (r["rps"] * args.seconds) * 1e6
@@ -408,6 +501,12 @@ def main() -> None:
             proc.wait(10)
 
     rows = []
+    load_after = os.getloadavg()
+    print(
+        f"\nupstream: {args.upstream}; load average (1/5/15 min) before "
+        f"{'/'.join(f'{x:.2f}' for x in load_before)}, after "
+        f"{'/'.join(f'{x:.2f}' for x in load_after)}"
+    )
     print(
         "\n| case | target | p50 | added p50 | p99 | req/s (gateway on 1 core) "
         "| gateway CPU per request |"
@@ -440,6 +539,9 @@ def main() -> None:
         "command": " ".join(["bench/proxy_overhead.py", *sys.argv[1:]]),
         "rounds": args.rounds,
         "seconds": args.seconds,
+        "upstream": args.upstream,
+        "load_before": load_before,
+        "load_after": load_after,
     }
     (out_dir / "proxy_overhead.json").write_text(
         json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"

@@ -7,11 +7,13 @@ router and gateway, REPLICAS simulated vLLM engines publishing KV events) serves
 open-loop workload (bench/workload.py). Reported: prefix-cache hit rate (cached prompt
 tokens / prompt tokens, from usage) and the oracle's (one infinite cache, in 16-token
 blocks, same request order), TTFT p50/p90, output tokens/s, and the largest share of
-requests one replica took.
+requests one replica took. With ``--repetitions N`` every cell runs N times, each
+repetition with its own workload seed (the same for every policy), policies interleaved.
 
-    .venv/bin/python bench/router_quality.py [--replicas 8] [--requests 200] [--rate 8]
+    .venv/bin/python bench/router_quality.py [--replicas 8] [--requests 200] [--rate 8] \
+        [--repetitions 3] [--suffix 64]
 
-Writes bench/results/router_quality.json.
+Writes bench/results/router_quality[-SUFFIX].json.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="doc-extraction,multi-turn,system-prompt")
     ap.add_argument("--policies", default="kv-aware,least-load,round-robin")
     ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--repetitions", type=int, default=1)
+    ap.add_argument("--suffix", default="", help="results file suffix")
     ap.add_argument(
         "--routing",
         default="{}",
@@ -84,53 +88,87 @@ def main() -> None:
     )
     args = ap.parse_args()
     rows = []
-    for workload in args.workloads.split(","):
-        oracle = None
-        for policy in args.policies.split(","):
-            with sim_stack(
-                args.replicas,
-                policy=policy,
-                routing=json.loads(args.routing),
-                time_scale=args.time_scale,
-            ) as stack:
-                specs = build(
-                    workload,
-                    model=stack.model,
-                    rate=args.rate,
-                    requests=args.requests,
-                    seed=1,
-                    count_tokens=stack.count_tokens,
-                )
-                if oracle is None:
-                    stack.count_tokens("")  # loads the tokenizer
-                    oracle = oracle_hit_rate([stack._tokenizer.chat_ids(s.messages) for s in specs])
-                results = asyncio.run(
-                    run_workload(specs, stack.base_url, model=stack.model, api_key=stack.api_key)
-                )
-                summary = summarize(results, SLO(ttft_s=0.5, tpot_s=0.05))
-                shares = replica_shares(stack.replica_urls)
-            row = {
-                "workload": workload,
-                "policy": policy,
-                "oracle_hit_rate": oracle,
-                "max_replica_share": max(shares),
-                **asdict(summary),
-            }
-            rows.append(row)
-            print(
-                f"| {workload} | {policy} | {summary.cached_share:.1%} | {oracle:.1%} | "
-                f"{summary.ttft_p50_s * 1e3:.0f} ms | {summary.ttft_p90_s * 1e3:.0f} ms | "
-                f"{summary.output_tps:.0f} | {max(shares):.0%} | {summary.ok}/{summary.requests} |",
-                flush=True,
+    policies = args.policies.split(",")
+    cells = [
+        (workload, rep, policy)
+        for workload in args.workloads.split(",")
+        for rep in range(args.repetitions)
+        for policy in policies[rep % len(policies) :] + policies[: rep % len(policies)]
+    ]
+    oracles: dict[tuple[str, int], float] = {}
+    for workload, rep, policy in cells:
+        for attempt in (1, 2):  # a fleet that fails to register (seen once in ~30) gets one retry
+            try:
+                row = run_cell(args, workload, rep, policy, oracles)
+                break
+            except (TimeoutError, RuntimeError) as err:
+                print(f"{workload} {rep + 1} {policy}: attempt {attempt} failed: {err}", flush=True)
+        else:
+            continue
+        rows.append(row)
+        write_results(args, rows)
+
+
+def run_cell(
+    args: argparse.Namespace,
+    workload: str,
+    rep: int,
+    policy: str,
+    oracles: dict[tuple[str, int], float],
+) -> dict:
+    with sim_stack(
+        args.replicas,
+        policy=policy,
+        routing=json.loads(args.routing),
+        time_scale=args.time_scale,
+    ) as stack:
+        specs = build(
+            workload,
+            model=stack.model,
+            rate=args.rate,
+            requests=args.requests,
+            seed=rep + 1,
+            count_tokens=stack.count_tokens,
+        )
+        if (workload, rep) not in oracles:
+            stack.count_tokens("")  # loads the tokenizer
+            oracles[workload, rep] = oracle_hit_rate(
+                [stack._tokenizer.chat_ids(s.messages) for s in specs]
             )
+        oracle = oracles[workload, rep]
+        results = asyncio.run(
+            run_workload(specs, stack.base_url, model=stack.model, api_key=stack.api_key)
+        )
+        summary = summarize(results, SLO(ttft_s=0.5, tpot_s=0.05))
+        shares = replica_shares(stack.replica_urls)
+    row = {
+        "workload": workload,
+        "repetition": rep + 1,
+        "policy": policy,
+        "oracle_hit_rate": oracle,
+        "max_replica_share": max(shares),
+        **asdict(summary),
+    }
+    print(
+        f"| {workload} | {rep + 1} | {policy} | {summary.cached_share:.1%} | {oracle:.1%} | "
+        f"{summary.ttft_p50_s * 1e3:.0f} ms | {summary.ttft_p90_s * 1e3:.0f} ms | "
+        f"{summary.output_tps:.0f} | {max(shares):.0%} | {summary.ok}/{summary.requests} |",
+        flush=True,
+    )
+    return row
+
+
+def write_results(args: argparse.Namespace, rows: list[dict]) -> None:
     out = {
         "rows": rows,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
         "command": " ".join(["bench/router_quality.py", *sys.argv[1:]]),
+        "load_average_end": Path("/proc/loadavg").read_text().split()[:3],
     }
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "router_quality.json").write_text(json.dumps(out, indent=2))
+    name = "router_quality" + (f"-{args.suffix}" if args.suffix else "")
+    (ROOT / "bench" / "results" / f"{name}.json").write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,15 @@ unless the method syncs) and deleted.
                   verified, see modelcache/stage.py)
   stage + fsync   stage(durable=True): also fsyncs every file and directory
   verify hit      a second stage() of the entry: a re-hash of the cached copy (not a copy)
+  hash blake3     the digest alone, no copy: blake3 of every source file (read from the disk)
+  hash sha256     the same with hashlib's sha256 (SHA-NI where the CPU has it)
 
-    .venv/bin/python bench/staging_vs_cp.py [--gb 2] [--files 4] [--rounds 3] [--dir DIR]
+The two hash rows bound what staging can reach: it must move the bytes as `cp` does and
+also hash each of them, so on a machine whose cores are busy its throughput tends to
+1 / (1/cp + 1/hash) of the CPU-bound rates, and only with a free core for the hash can it
+approach `cp` itself.
+
+    .venv/bin/python bench/staging_vs_cp.py [--gb 1 4] [--files 4] [--rounds 3] [--dir DIR]
 
 Prints a markdown table and writes bench/results/staging_vs_cp.json.
 """
@@ -42,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from hpcserve.modelcache.cache import NodeCache  # noqa: E402
 from hpcserve.modelcache.locks import filesystem_type  # noqa: E402
-from hpcserve.modelcache.manifest import Manifest, build_manifest  # noqa: E402
+from hpcserve.modelcache.manifest import Manifest, build_manifest, hash_file  # noqa: E402
 from hpcserve.modelcache.stage import stage  # noqa: E402
 
 BLOCK = 64 << 20
@@ -117,11 +124,20 @@ def methods(src: Path, manifest: Manifest) -> dict[str, Callable[[Path], None]]:
 
         return run
 
+    def hash_only(algorithm: str) -> Callable[[Path], None]:
+        def run(dst: Path) -> None:
+            for f in manifest.files:
+                hash_file(src / f.path, algorithm, 16 << 20, None)
+
+        return run
+
     return {
         "cp -r": cp,
         "cp -r + fsync": cp_fsync,
         "stage": staged(False),
         "stage + fsync": staged(True),
+        "hash blake3": hash_only("blake3"),
+        "hash sha256": hash_only("sha256"),
     }
 
 
@@ -144,7 +160,8 @@ def run_rounds(
                         )
                     )
                 )
-            flush_and_delete(dst)
+            if dst.exists():
+                flush_and_delete(dst)
             print(f"round {r + 1}: {name}: {times[name][-1][0]:.2f}s", file=sys.stderr)
     return times
 
@@ -157,8 +174,11 @@ def machine() -> dict[str, str]:
     )  # fmt: skip
     import blake3
 
+    flags = next(
+        (ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), ""
+    ).split()
     return {
-        "cpu": f"{cpu}, {os.cpu_count()} cores",
+        "cpu": f"{cpu}, {os.cpu_count()} cores" + (", SHA-NI" if "sha_ni" in flags else ""),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "blake3": blake3.__version__,
@@ -167,37 +187,50 @@ def machine() -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gb", type=float, default=2.0, help="total size of the model files")
+    ap.add_argument(
+        "--gb", type=float, nargs="+", default=[2.0], help="total size(s) of the model files"
+    )
     ap.add_argument("--files", type=int, default=4, help="number of weight files")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work directory (default: the system temp dir)")
     args = ap.parse_args()
-    total = int(args.gb * 1e9)
-    with tempfile.TemporaryDirectory(prefix="hpcserve-bench-", dir=args.dir) as tmp:
-        work = Path(tmp)
-        src = work / "src"
-        make_source(src, total, args.files)
-        manifest = build_manifest(src)
-        meta = {
-            **machine(),
-            "filesystem": filesystem_type(work) or "?",
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "bench/staging_vs_cp.py " + " ".join(sys.argv[1:]),
-            "bytes": manifest.total_bytes,
-            "files": len(manifest.files),
-            "rounds": args.rounds,
-        }
-        times = run_rounds(src, work, manifest, args.rounds)
-    report(meta, times)
+    load_before = os.getloadavg()
+    results = []
+    for gb in args.gb:
+        with tempfile.TemporaryDirectory(prefix="hpcserve-bench-", dir=args.dir) as tmp:
+            work = Path(tmp)
+            src = work / "src"
+            make_source(src, int(gb * 1e9), args.files)
+            manifest = build_manifest(src)
+            meta = {
+                **machine(),
+                "filesystem": filesystem_type(work) or "?",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "command": "bench/staging_vs_cp.py " + " ".join(sys.argv[1:]),
+                "bytes": manifest.total_bytes,
+                "files": len(manifest.files),
+                "rounds": args.rounds,
+            }
+            times = run_rounds(src, work, manifest, args.rounds)
+        results.append((meta, times))
+    load = [round(x, 2) for x in (*load_before, *os.getloadavg())]
+    report(results, load, label_sizes=len(args.gb) > 1)
 
 
-def report(meta: dict[str, object], times: dict[str, list[tuple[float, float]]]) -> None:
-    gb = int(meta["bytes"]) / 1e9  # type: ignore[call-overload]
+def _gb(meta: dict[str, object]) -> float:
+    return int(meta["bytes"]) / 1e9  # type: ignore[call-overload]
+
+
+def rows_for(
+    meta: dict[str, object], times: dict[str, list[tuple[float, float]]], label: str
+) -> list[dict[str, object]]:
+    gb = _gb(meta)
     med = {name: statistics.median(t for t, _ in runs) for name, runs in times.items()}
     cpu = {name: statistics.median(c for _, c in runs) for name, runs in times.items()}
-    rows = [
+    return [
         {
-            "method": name,
+            "method": f"{name}{label}",
+            "gb": round(gb, 2),
             "median_s": round(m, 3),
             "gb_per_s": round(gb / m, 3),
             "throughput_vs_cp": round(med["cp -r"] / m, 3),
@@ -207,15 +240,30 @@ def report(meta: dict[str, object], times: dict[str, list[tuple[float, float]]])
         }
         for name, m in med.items()
     ]
+
+
+def report(
+    results: list[tuple[dict[str, object], dict[str, list[tuple[float, float]]]]],
+    load: list[float],
+    label_sizes: bool,
+) -> None:
+    rows = []
+    for meta, times in results:
+        label = f" ({_gb(meta):.2f} GB)" if label_sizes else ""
+        rows += rows_for(meta, times, label)
+    meta = {**results[0][0], "sizes_bytes": [m["bytes"] for m, _ in results], "loadavg": load}
     out = ROOT / "bench" / "results" / "staging_vs_cp.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"\n{gb:.2f} GB in {meta['files']} files, {meta['filesystem']}, "
-          f"{meta['cpu']}, medians of {meta['rounds']}\n")  # fmt: skip
-    print("| method | median s | GB/s | vs `cp -r` | vs `cp -r` + fsync | CPU s/GB |")
-    print("|---|---:|---:|---:|---:|---:|")
+    sizes = ", ".join(f"{_gb(m):.2f} GB" for m, _ in results)
+    print(
+        f"\n{sizes} in {meta['files']} files each, {meta['filesystem']}, {meta['cpu']}, "
+        f"medians of {meta['rounds']}; load average before {load[:3]}, after {load[3:]}\n"
+    )
+    print("| method | GB | median s | GB/s | vs `cp -r` | vs `cp -r` + fsync | CPU s/GB |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['method']} | {r['median_s']:.2f} | {r['gb_per_s']:.2f} | "
+            f"| {r['method']} | {r['gb']} | {r['median_s']:.2f} | {r['gb_per_s']:.2f} | "
             f"{r['throughput_vs_cp']:.2f} | {r['throughput_vs_cp_fsync']:.2f} | "
             f"{r['cpu_s_per_gb']:.2f} |"
         )

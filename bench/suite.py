@@ -158,6 +158,15 @@ BENCHMARKS: list[Benchmark] = [
         needs=["python:vllm"],
         in_default=False,  # a real vLLM start: 1-3 minutes here, more under load
     ),
+    Benchmark(
+        "router_quality_vllm",
+        "Routing quality on 3 real vLLM CPU engines (kv-aware, least-load, round-robin)",
+        "bench/router_quality_vllm.py --workloads doc-extraction,system-prompt --repetitions 1",
+        "router_quality_vllm.json",
+        timeout_s=1200,
+        needs=["python:vllm"],
+        in_default=False,  # three vLLM starts and six runs: ~10 minutes here
+    ),
 ]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from hpcserve.router.protocol import ReplicaLoad
 
 _FIELDS = {
@@ -11,11 +13,28 @@ _FIELDS = {
 }
 
 
+_CACHE_INFO = "vllm:cache_config_info{"
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def _kv_capacity_tokens(line: str) -> int:
+    """num_gpu_blocks x block_size from vLLM's cache_config_info labels (0: not there)."""
+    labels = dict(_LABEL.findall(line.partition("{")[2].rpartition("}")[0]))
+    try:
+        return int(labels.get("num_gpu_blocks", 0)) * int(labels.get("block_size", 0))
+    except ValueError:
+        return 0
+
+
 def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
     """Sum each gauge over its label sets (one per engine / model name)."""
     totals = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
+    capacity = 0
     for line in metrics_text.splitlines():
         if not line.startswith("vllm:"):
+            continue
+        if line.startswith(_CACHE_INFO):
+            capacity += _kv_capacity_tokens(line)
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         field = _FIELDS.get(line[:name_end]) if name_end > 0 else None
@@ -29,4 +48,5 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
         running=int(totals["running"]),
         waiting=int(totals["waiting"]),
         kv_usage=min(max(totals["kv_usage"], 0.0), 1.0),
+        kv_capacity_tokens=capacity,
     )

@@ -111,6 +111,14 @@ def kv_events_args(spec: EngineSpec) -> list[str]:
     return ["--kv-events-config", json.dumps(config)]
 
 
+def scheduling_args(policy: str, engine_args: Sequence[str]) -> list[str]:
+    """`--scheduling-policy` for a pool's policy; none for vLLM's default (fcfs) or when the
+    pool's engine_args set it themselves."""
+    if policy == "fcfs" or any(a.startswith("--scheduling-policy") for a in engine_args):
+        return []
+    return ["--scheduling-policy", policy]
+
+
 def lora_args(spec: EngineSpec) -> list[str]:
     if spec.max_loras <= 0:
         return []

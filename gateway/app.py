@@ -14,11 +14,13 @@ retry on another replica when the engine failed before its first byte).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -27,20 +29,22 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from hpcserve.config import GatewayConfig
 from hpcserve.gateway import errors, validate
 from hpcserve.gateway.auth import KeyRing, Tenant
 from hpcserve.gateway.batch.handlers import batch_routes
+from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.batch.service import BatchService
 from hpcserve.gateway.metrics import GatewayMetrics
 from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
-from hpcserve.router.prompt_tokens import RouteHints
+from hpcserve.router.prompt_tokens import SESSION_HEADER, RouteHints
+from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET
 
 if TYPE_CHECKING:
     from hpcserve.gateway.tracing import Tracing
@@ -53,6 +57,12 @@ _json_object = msgspec.json.Decoder(dict[str, Any])
 _dict = msgspec.json.Decoder(dict[str, Any])
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
 _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
+# Prefix hints: bodies up to this size are tokenized on the event loop (a thread hand-off
+# costs more than they do); longer ones on HINT_THREADS threads, at most MAX_HINTS_WAITING.
+INLINE_HINT_BYTES = 2048
+HINT_THREADS = 2
+MAX_HINTS_WAITING = 64
+_INCLUDE_CONTINUOUS = b',"stream_options":{"include_usage":true,"continuous_usage_stats":true}}'
 
 
 class Gateway:
@@ -94,6 +104,8 @@ class Gateway:
         self.tracing = tracing
         # Prefix-aware routing: the prompt's block hashes for the router (set by server.py).
         self.route_hints: RouteHints | None = None
+        self._hint_pool: ThreadPoolExecutor | None = None
+        self._hints_waiting = 0
         self._quota_sync: asyncio.Task[None] | None = None
         self._children: dict[tuple[str, str], _ModelMetrics] = {}
 
@@ -119,6 +131,8 @@ class Gateway:
         await self.routing.close()
         if self.tracing is not None:
             self.tracing.shutdown()
+        if self._hint_pool is not None:
+            self._hint_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _sync_quotas(self) -> None:
         interval = self.config.quota_sync_s
@@ -219,7 +233,11 @@ class Gateway:
                 payload["stream_options"]["include_usage"] = True
                 body = msgspec.json.encode(payload)
                 strip_usage = True
-        headers = {"Content-Type": "application/json"}
+        engine_body, strip_continuous = _continuous_usage(body, parsed, stream, endpoint)
+        headers = {
+            "Content-Type": "application/json",
+            PRIORITY_HEADER: ENGINE_PRIORITY[tenant.config.priority],
+        }
         for name in FORWARDED_REQUEST_HEADERS:
             value = request.headers.get(name)
             if value is not None:
@@ -239,8 +257,17 @@ class Gateway:
             )
         hints: dict[str, Any] = {}
         if self.route_hints is not None and endpoint in _GENERATING:
-            payload = _dict.decode(body) if self.route_hints.covers(model) else {}
-            hints = self.route_hints.hints(model, payload, request.headers)
+            hints = await self.prefix_hints(model, body, request.headers)
+        # Overflow on a queue budget, and a canary alias kept per user (router/queue_wait.py,
+        # router/aliases.py).
+        if self.external is not None and (budget := self.external.queue_budget_s(tenant, model)):
+            hints["queue_budget_s"] = budget
+        if user := getattr(parsed, "user", None):
+            hints["user"] = user[:256]
+        if (self.route_hints is None or endpoint not in _GENERATING) and (
+            session := request.headers.get(SESSION_HEADER)  # not read for the hints above
+        ):
+            hints["user"] = session[:256]
         exclude: list[str] = []
         failure: errors.APIError | None = None
         for _attempt in range(2):
@@ -262,8 +289,9 @@ class Gateway:
                     model not in self.configured_models
                     and decision is not None
                     and not exclude
-                    # A LoRA adapter that exists but could not be loaded in time is a 503.
-                    and not decision.error.startswith("adapter_")
+                    # A LoRA adapter not loaded in time, an alias without replicas, a queue
+                    # over budget: the name exists (503 or overflow).
+                    and decision.error == "no_replica"
                 ):
                     _end(span, 404)
                     raise errors.model_not_found(model)
@@ -271,9 +299,20 @@ class Gateway:
                     request.scope["hpcserve.model"] = model
                 if self.external is not None and self.external.takes(tenant, model):
                     request.scope["hpcserve.model"] = model  # a name from the config
-                    return await self._overflow(
-                        endpoint, tenant, model, body, stream, strip_usage, limited, span
-                    )
+                    over_budget = decision is not None and decision.error == OVER_QUEUE_BUDGET
+                    try:
+                        return await self._overflow(
+                            endpoint, tenant, model, body, stream, strip_usage, limited, span,
+                            keep_span=over_budget,
+                        )  # fmt: skip
+                    except UpstreamFailed as err:
+                        if not over_budget:
+                            raise
+                        # The external API is down: queue here after all.
+                        log.warning("overflow failed, queueing at a replica: %s", err)
+                        hints.pop("queue_budget_s", None)
+                        failure = err
+                        continue
                 if failure is not None:
                     _end(span, failure.status)
                     raise failure
@@ -288,11 +327,13 @@ class Gateway:
             try:
                 return await self.relay.forward(
                     decision.url + endpoint,
-                    body,
+                    # An alias: the replica knows the version by its served name.
+                    _with_model(engine_body, decision.model) if decision.model else engine_body,
                     headers,
                     stream=stream,
                     exchange=exchange,
                     strip_usage=strip_usage,
+                    strip_continuous=strip_continuous,
                 )
             except UpstreamFailed as err:
                 exchange.abandon()
@@ -309,6 +350,34 @@ class Gateway:
         _end(span, failure.status)
         raise failure
 
+    async def prefix_hints(
+        self, model: str, body: bytes, headers: Mapping[str, str]
+    ) -> dict[str, Any]:
+        """The Route fields for prefix-aware routing (router/prompt_tokens.py RouteHints).
+        A body over `INLINE_HINT_BYTES` is decoded and tokenized on a small thread pool, so
+        that a long prompt does not stall every other request on the event loop; with
+        `MAX_HINTS_WAITING` already waiting there, the request goes without prefix hints
+        (routed on load and session alone: the hints are an optimisation)."""
+        route_hints = self.route_hints
+        assert route_hints is not None
+        if not route_hints.covers(model):
+            return route_hints.hints(model, {}, headers)
+        if len(body) <= INLINE_HINT_BYTES:
+            return route_hints.hints(model, _dict.decode(body), headers)
+        if self._hints_waiting >= MAX_HINTS_WAITING:
+            log.debug("prefix hints skipped: %d prompts waiting to be tokenized", MAX_HINTS_WAITING)
+            session = headers.get(SESSION_HEADER)
+            return {"session_key": session[:256]} if session else {}
+        if self._hint_pool is None:
+            self._hint_pool = ThreadPoolExecutor(HINT_THREADS, thread_name_prefix="prefix-hints")
+        self._hints_waiting += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._hint_pool, _decoded_hints, route_hints, model, body, headers
+            )
+        finally:
+            self._hints_waiting -= 1
+
     async def _overflow(
         self,
         endpoint: str,
@@ -319,7 +388,10 @@ class Gateway:
         strip_usage: bool,
         limited: bool,
         span: Any,
+        keep_span: bool = False,
     ) -> Response:
+        """keep_span: a failure before the first byte leaves the span open (the caller
+        routes the request to a replica instead)."""
         assert self.external is not None and self.external_relay is not None
         self.metrics.overflow.labels(model, tenant.name).inc()
         exchange = _Exchange(self, tenant, model, limited, "", stream, span)
@@ -334,7 +406,8 @@ class Gateway:
             )
         except errors.APIError as err:
             exchange.abandon()
-            _end(span, err.status)
+            if not (keep_span and isinstance(err, UpstreamFailed)):
+                _end(span, err.status)
             raise
 
     def model_metrics(self, model: str, tenant: str) -> _ModelMetrics:
@@ -355,6 +428,37 @@ class _ModelMetrics:
         self.tpot = metrics.tpot.labels(model)
         self.tokens_in = metrics.tokens.labels(model, tenant, "in")
         self.tokens_out = metrics.tokens.labels(model, tenant, "out")
+
+
+def _continuous_usage(
+    body: bytes, parsed: validate.Request, stream: bool, endpoint: str
+) -> tuple[bytes, bool]:
+    """The body for a replica, asking vLLM for the usage so far on every streamed event
+    (continuous_usage_stats), so that a stream the client abandons is counted up to where
+    it stopped; and whether to cut that usage out for the client. Replicas only: the
+    external API may not know the option."""
+    if not stream or endpoint not in _GENERATING:
+        return body, False
+    options = parsed.stream_options  # type: ignore[union-attr]
+    if options is not None and options.continuous_usage_stats:
+        return body, False
+    if body.endswith(_INCLUDE_USAGE):  # added above: no decode needed
+        return body[: -len(_INCLUDE_USAGE)] + _INCLUDE_CONTINUOUS, True
+    payload = _dict.decode(body)
+    payload.setdefault("stream_options", {})["continuous_usage_stats"] = True
+    return msgspec.json.encode(payload), True
+
+
+def _decoded_hints(
+    route_hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str]
+) -> dict[str, Any]:
+    return route_hints.hints(model, _dict.decode(body), headers)
+
+
+def _with_model(body: bytes, model: str) -> bytes:
+    payload = _dict.decode(body)
+    payload["model"] = model
+    return msgspec.json.encode(payload)
 
 
 def _end(span: Any, status: int) -> None:
@@ -415,13 +519,13 @@ class _Exchange:
         """The relay raised: release the replica; the caller settles quota and trace."""
         self.gateway.metrics.in_flight.dec()
         if self.replica_id:
-            self.gateway.routing.release(self.replica_id)
+            self.gateway.routing.release(self.replica_id, self.model)
 
     def done(self, status: int) -> None:
         gateway = self.gateway
         gateway.metrics.in_flight.dec()
         if self.replica_id:
-            gateway.routing.release(self.replica_id)
+            gateway.routing.release(self.replica_id, self.model)
         if self.limited:
             if 400 <= status < 500 and status not in (429, 499):
                 gateway.quota.refund(self.tenant)  # the engine refused it as bad input
@@ -478,6 +582,102 @@ def _endpoint(
     return endpoint
 
 
+class _HotRequest:
+    """What the handlers use of a Starlette Request, straight from the ASGI scope: the hot
+    /v1/* endpoints skip Starlette's routing, middleware and Request/Headers objects."""
+
+    __slots__ = ("_receive", "headers", "scope")
+
+    def __init__(self, scope: dict[str, Any], receive: Any) -> None:
+        self.scope = scope
+        self._receive = receive
+        # The first of repeated headers wins, as with Starlette's Headers.get.
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"][::-1]}
+
+    async def stream(self) -> Any:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.request":
+                body = message.get("body", b"")
+                if body:
+                    yield body
+                if not message.get("more_body", False):
+                    return
+            elif message["type"] == "http.disconnect":
+                raise ClientDisconnect()
+
+
+def _hot_endpoint(gateway: Gateway, name: str, handler: Handler) -> Any:
+    """The ASGI callable of a hot endpoint: the same handler and metrics as `_endpoint`."""
+    endpoint = _endpoint(gateway, name, handler)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        request = _HotRequest(scope, receive)
+        response = await endpoint(request)  # type: ignore[arg-type]
+        await _send_response(response, scope, receive, send)
+
+    return app
+
+
+async def _send_response(response: Response, scope: Any, receive: Any, send: Any) -> None:
+    if not isinstance(response, StreamingResponse):
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": response.raw_headers,
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})
+        await _run_background(response)
+        return
+    # uvicorn (ASGI 2.3) drops what is sent to a client that has gone: a disconnect is only
+    # seen by receive(), so the relay runs beside a watcher and is cancelled when it comes
+    # (the engine connection is then dropped and vLLM aborts the request). Starlette's
+    # StreamingResponse does the same with an anyio task group: ~240 us per stream here.
+    loop = asyncio.get_running_loop()
+    relaying = loop.create_task(_relay_stream(response, send))
+    watcher = loop.create_task(_wait_disconnect(receive))
+    try:
+        await asyncio.wait((relaying, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not relaying.done():
+            relaying.cancel()
+        await asyncio.gather(relaying, watcher, return_exceptions=True)
+    await _run_background(response)
+    if not relaying.cancelled() and (failed := relaying.exception()) is not None:
+        raise failed
+
+
+async def _run_background(response: Response) -> None:
+    task = response.background
+    if task is None:
+        return
+    if task.is_async:
+        await task()
+    else:  # the relay's are quick and do no I/O: not worth a thread (Starlette's way)
+        task.func(*task.args, **task.kwargs)
+
+
+async def _relay_stream(response: StreamingResponse, send: Any) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
+    )
+    async for chunk in response.body_iterator:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def chat_completions(gateway: Gateway, request: Request) -> Response:
     return await gateway.relay_to_model(request, "/v1/chat/completions")
 
@@ -513,6 +713,8 @@ async def list_models(gateway: Gateway, request: Request) -> Response:
             "replicas": m.replicas,
             # A LoRA adapter names its base model, as vLLM's own /v1/models does.
             **({"parent": m.parent} if m.parent else {}),
+            # An alias names the registry version it routes to (router/aliases.py).
+            **({"alias_of": m.alias_of} if m.alias_of else {}),
         }
         for m in listing.models
     ]
@@ -525,6 +727,17 @@ async def health(gateway: Gateway, request: Request) -> Response:
 
 async def metrics(gateway: Gateway, request: Request) -> Response:
     return Response(generate_latest(gateway.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+
+_HOT: tuple[tuple[str, str, Handler], ...] = (
+    ("/v1/chat/completions", "chat", chat_completions),
+    ("/v1/completions", "completions", completions),
+    ("/v1/embeddings", "embeddings", embeddings),
+    ("/v1/rerank", "rerank", rerank),
+    ("/rerank", "rerank", rerank),
+    ("/v1/score", "score", score),
+    ("/score", "score", score),
+)
 
 
 def build_app(gateway: Gateway) -> Starlette:
@@ -555,11 +768,42 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/metrics", _endpoint(gateway, "metrics", metrics), methods=["GET"]),
         *(batch_routes(gateway, _endpoint) if gateway.batch is not None else []),
     ]
-    return Starlette(
+    app = GatewayApp(
         routes=routes,
         lifespan=lifespan,
         exception_handlers={404: _not_found, 405: _method_not_allowed},
     )
+    for path, name, handler in _HOT:
+        app.hot[path] = _hot_endpoint(gateway, name, handler)
+    return app
+
+
+class GatewayApp(Starlette):
+    """Starlette, except that POSTs to the relayed /v1/* endpoints go straight to their
+    handler (`hot`): Starlette's routing and middleware cost a relayed request ~15% of the
+    gateway's CPU (docs/benchmarks.md). The same paths stay Starlette routes for the rest
+    (405 on other methods)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hot: dict[str, Any] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            hot = self.hot.get(scope["path"])
+            if hot is not None:
+                try:
+                    await hot(scope, receive, send)
+                except Exception:
+                    # As Starlette's ServerErrorMiddleware: a 500 if nothing was sent yet, and
+                    # the error goes on to the server, which logs it.
+                    with contextlib.suppress(Exception):
+                        await errors.APIError(
+                            500, "Internal server error", type="server_error"
+                        ).response()(scope, receive, send)
+                    raise
+                return
+        await super().__call__(scope, receive, send)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -2,82 +2,239 @@
 
 Label values are only ever names from the config or the router (endpoints, served
 models, tenant names), never client input, so the series cannot grow without bound.
+
+Counted in plain Python numbers and exposed through one custom Collector: every update
+and every scrape runs on the gateway's event loop thread, so the lock and label lookup
+that prometheus_client's own metrics take on each call are not needed on the request
+path. `labels(...)` returns a child to keep; the request path keeps them per (model,
+tenant) and per (endpoint, model, tenant, status).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import bisect
+import math
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 _QUEUE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25, 1, 2.5)
 
 
+class CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class GaugeChild(CounterChild):
+    __slots__ = ()
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+
+class HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class _Family:
+    """A metric with labels; with none, it is its own only child (`inc`, `observe` work)."""
+
+    kind = ""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.children: dict[tuple[str, ...], object] = {}
+        if not self.labelnames:
+            child = self.children[()] = self._child()
+            for method in ("inc", "dec", "set", "observe"):
+                if hasattr(child, method):
+                    setattr(self, method, getattr(child, method))
+
+    def _child(self) -> object:
+        raise NotImplementedError
+
+    def labels(self, *values: str) -> object:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = self._child()
+        return child
+
+    def collect(self) -> Metric:
+        raise NotImplementedError
+
+
+class Counter(_Family):
+    def _child(self) -> CounterChild:
+        return CounterChild()
+
+    def labels(self, *values: str) -> CounterChild:
+        return super().labels(*values)  # type: ignore[return-value]
+
+    def collect(self) -> Metric:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            family.add_metric(values, child.value)  # type: ignore[attr-defined]
+        return family
+
+
+class Gauge(_Family):
+    def _child(self) -> GaugeChild:
+        return GaugeChild()
+
+    def labels(self, *values: str) -> GaugeChild:
+        return super().labels(*values)  # type: ignore[return-value]
+
+    def collect(self) -> Metric:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            family.add_metric(values, child.value)  # type: ignore[attr-defined]
+        return family
+
+
+class Histogram(_Family):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        buckets: Sequence[float],
+    ) -> None:
+        self.bounds = tuple(float(b) for b in buckets)
+        super().__init__(name, documentation, labelnames)
+
+    def _child(self) -> HistogramChild:
+        return HistogramChild(self.bounds)
+
+    def labels(self, *values: str) -> HistogramChild:
+        return super().labels(*values)  # type: ignore[return-value]
+
+    def collect(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            assert isinstance(child, HistogramChild)
+            cumulative, buckets = 0, []
+            for bound, count in zip((*self.bounds, math.inf), child.counts, strict=True):
+                cumulative += count
+                buckets.append((_bound_text(bound), cumulative))
+            family.add_metric(values, buckets, child.sum)
+        return family
+
+
+def _bound_text(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+class _Collector(Collector):
+    def __init__(self, families: list[_Family]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.families:
+            yield family.collect()
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
-            "hpcserve_gateway_requests_total",
+            "hpcserve_gateway_requests",
             "Requests by endpoint, model, tenant and status",
             ["endpoint", "model", "tenant", "status"],
-            registry=registry,
         )
         self.latency = Histogram(
             "hpcserve_gateway_request_seconds",
             "Time to the response head (first byte for streams) by endpoint",
             ["endpoint"],
-            registry=registry,
             buckets=_LATENCY_BUCKETS,
         )
-        self.in_flight = Gauge(
-            "hpcserve_gateway_in_flight", "Requests being relayed to engines", registry=registry
-        )
+        self.in_flight = Gauge("hpcserve_gateway_in_flight", "Requests being relayed to engines")
         self.ttft = Histogram(
             "hpcserve_gateway_time_to_first_token_seconds",
             "Streamed requests: time from arrival to the engine's first chunk",
             ["model"],
-            registry=registry,
             buckets=_LATENCY_BUCKETS,
         )
         self.tpot = Histogram(
             "hpcserve_gateway_time_per_output_token_seconds",
             "Streamed requests: time per output token after the first",
             ["model"],
-            registry=registry,
             buckets=_TPOT_BUCKETS,
         )
         self.tokens = Counter(
-            "hpcserve_gateway_tokens_total",
+            "hpcserve_gateway_tokens",
             "Tokens from the engines' usage, by model, tenant and direction (in: prompt, "
             "out: completion)",
             ["model", "tenant", "direction"],
-            registry=registry,
         )
         self.queue = Histogram(
             "hpcserve_gateway_queue_seconds",
             "Time a request waited for its routing decision",
-            registry=registry,
             buckets=_QUEUE_BUCKETS,
         )
         self.overflow = Counter(
-            "hpcserve_gateway_overflow_total",
+            "hpcserve_gateway_overflow",
             "Requests sent to the external API because no replica could take them",
             ["model", "tenant"],
-            registry=registry,
         )
         self.retries = Counter(
-            "hpcserve_gateway_retries_total",
+            "hpcserve_gateway_retries",
             "Requests retried on another replica after a failure before the first byte",
             ["model"],
-            registry=registry,
         )
         self.rejected = Counter(
-            "hpcserve_gateway_quota_rejections_total",
+            "hpcserve_gateway_quota_rejections",
             "Requests refused with 429 by tenant and limit",
             ["tenant", "limit"],
-            registry=registry,
         )
         self.quota_sync_failures = Counter(
-            "hpcserve_gateway_quota_sync_failures_total",
+            "hpcserve_gateway_quota_sync_failures",
             "Quota reports the router did not answer in time",
-            registry=registry,
+        )
+        registry.register(
+            _Collector(
+                [
+                    self.requests,
+                    self.latency,
+                    self.in_flight,
+                    self.ttft,
+                    self.tpot,
+                    self.tokens,
+                    self.queue,
+                    self.overflow,
+                    self.retries,
+                    self.rejected,
+                    self.quota_sync_failures,
+                ]
+            )
         )

@@ -1,10 +1,13 @@
 """Overflow: an external OpenAI-compatible API for tenants that allow it.
 
-Used only when no replica can take a request (the router answered no replica, or
-did not answer) and the tenant's overflow is "external" and it is not data-resident
-(the config refuses data_resident with overflow "external"; this checks again). The
-request body is re-encoded with the external model name; the client's key is never
-sent on: the external API gets the key from `gateway.overflow.api_key_env`.
+Used when no replica can take a request within the tenant's queue budget (the router
+answered over_queue_budget, router/queue_wait.py), or there is no replica at all (no
+replica, or the router did not answer), and the tenant's overflow is "external" and it
+is not data-resident (the config refuses data_resident with overflow "external"; this
+checks again). Only such requests carry a budget to the router: everyone else's requests
+queue at a replica as before, and get 503 only when there is no replica. The request
+body is re-encoded with the external model name; the client's key is never sent on: the
+external API gets the key from `gateway.overflow.api_key_env`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ class ExternalAPI:
     def takes(self, tenant: Tenant, model: str) -> bool:
         c = tenant.config
         return c.overflow == "external" and not c.data_resident and model in self.config.models
+
+    def queue_budget_s(self, tenant: Tenant, model: str) -> float:
+        """The Route's queue budget: 0 (none) unless the request may overflow."""
+        if not self.takes(tenant, model):
+            return 0.0
+        return tenant.config.queue_budget_s or self.config.queue_budget_s
 
     def url(self, endpoint: str) -> str:
         # base_url ends in /v1, as the openai SDK's does; endpoints here start with /v1.

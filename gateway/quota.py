@@ -9,6 +9,10 @@ token limit may finish one request that takes it over; the next is refused.
 When the router has not answered for `stale_after_s`, the others' usage is
 ignored and each gateway enforces the limits on its own traffic only (fail open,
 logged once): a router outage must not stop every tenant.
+
+The router's book is in memory; its epoch comes with every answer. When the epoch
+changes (the router restarted), the next report carries this gateway's whole window
+instead of deltas, and the new book takes it as this gateway's usage.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class QuotaGate:
         self._others_at = -math.inf
         self._in_transit: list[p.TenantUsage] | None = None
         self._warned_stale = False
+        self._epoch = ""  # the router quota book's, as last answered
+        self._resync = False  # the next report sends whole windows
 
     def _ledger(self, tenant: str) -> _Ledger:
         ledger = self._ledgers.get(tenant)
@@ -110,6 +116,24 @@ class QuotaGate:
             ledger.tokens += tokens
         ledger.dirty = True
 
+    def charge_tokens(self, key: str, tokens: int) -> None:
+        """Count tokens used outside admit/finish under `key` (the Batch API's, as
+        "batch:<tenant>", gateway/batch/limiter.py); synced with the router like a tenant."""
+        ledger = self._ledger(key)
+        ledger.window.add(self._clock(), 0, tokens)
+        ledger.tokens += tokens
+        ledger.dirty = True
+
+    def tokens_used(self, key: str) -> tuple[int, float]:
+        """Tokens of `key` in the last minute on every gateway (the others' as last synced),
+        and the seconds until some of them leave the window."""
+        now = self._clock()
+        ledger = self._ledger(key)
+        ledger.window.expire(now)
+        others = self._fresh_others(key, now)
+        used = ledger.window.tokens + (others.tokens if others else 0)
+        return used, self._frees_in(ledger, others)
+
     def refund(self, tenant: Tenant) -> None:
         """Undo an admit whose request turned out to be bad input (e.g. an unknown model)."""
         ledger = self._ledger(tenant.name)
@@ -139,6 +163,8 @@ class QuotaGate:
 
     def report(self, *, keepalive: bool = False) -> list[p.TenantUsage] | None:
         """The usage to send the router now (None if nothing changed and not keepalive)."""
+        if self._resync:
+            return self._whole_windows()
         usage = []
         for name, ledger in self._ledgers.items():
             if ledger.dirty or (keepalive and ledger.in_flight):
@@ -150,7 +176,25 @@ class QuotaGate:
         self._in_transit = usage
         return usage
 
+    def _whole_windows(self) -> list[p.TenantUsage]:
+        now = self._clock()
+        usage = []
+        for name, ledger in self._ledgers.items():
+            window = ledger.window.ages(now)
+            if window or ledger.in_flight:
+                usage.append(p.TenantUsage(name, 0, 0, ledger.in_flight, window=window))
+            ledger.requests = ledger.tokens = 0  # inside the window sent
+            ledger.dirty = False
+        self._resync = False
+        self._in_transit = usage
+        return usage
+
     def apply(self, totals: p.QuotaTotals) -> None:
+        if totals.epoch != self._epoch:
+            if self._epoch:
+                log.info("router quota book is new (restart): re-sending this gateway's usage")
+            self._epoch = totals.epoch
+            self._resync = True
         self._others = {t.tenant: t for t in totals.tenants}
         self._others_at = self._clock()
         self._in_transit = None
@@ -161,6 +205,9 @@ class QuotaGate:
     def unsent(self) -> None:
         """The last report got no answer: its deltas go out again with the next one."""
         usage_sent, self._in_transit = self._in_transit, None
+        if any(usage.window is not None for usage in usage_sent or ()):
+            self._resync = True  # the whole windows go again (they hold the deltas)
+            return
         for usage in usage_sent or ():
             ledger = self._ledger(usage.tenant)
             ledger.requests += usage.requests

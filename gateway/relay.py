@@ -63,6 +63,8 @@ class _StreamEvent(msgspec.Struct):
 
 _usage_decoder = msgspec.json.Decoder(_WithUsage)
 _event_decoder = msgspec.json.Decoder(_StreamEvent)
+_usage_only_decoder = msgspec.json.Decoder(Usage)
+_dict_decoder = msgspec.json.Decoder(dict[str, object])
 
 
 def _report_usage(exchange: Exchange, usage: Usage) -> None:
@@ -85,7 +87,9 @@ class Relay:
             connector=connector,
             timeout=self._timeout,
             auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
+            # No Accept-Encoding: an answer is relayed as sent, and a compressed one would
+            # lose its Content-Encoding (hop-by-hop above).
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
         )
 
     async def close(self) -> None:
@@ -101,8 +105,11 @@ class Relay:
         stream: bool,
         exchange: Exchange,
         strip_usage: bool = False,
+        strip_continuous: bool = False,
     ) -> Response:
-        """POST body to url with headers. strip_usage: drop the stream's usage-only event."""
+        """POST body to url with headers. strip_usage: drop the stream's usage-only event;
+        strip_continuous: drop the usage from the other events (continuous_usage_stats the
+        client did not ask for)."""
         assert self._session is not None, "Relay.start() was not awaited"
         try:
             upstream = await self._session.post(url, data=body, headers=headers)
@@ -144,7 +151,7 @@ class Relay:
         _set_nodelay(upstream)
         finish = _Once(exchange)
         return StreamingResponse(
-            _relay_chunks(upstream, exchange, finish, strip_usage),
+            _relay_chunks(upstream, exchange, finish, strip_usage, strip_continuous),
             status_code=upstream.status,
             headers=response_headers,
             # Also after a disconnect before the first chunk, when the generator never ran.
@@ -205,31 +212,95 @@ def error_event(message: str, *, type: str, code: str) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
-def _events_with_usage(block: bytes, exchange: Exchange, strip: bool) -> bytes:
-    """Report the usage in a block of whole SSE events; drop usage-only events if strip."""
+_USAGE_KEY = b',"usage":{'
+
+
+def _events_with_usage(
+    block: bytes,
+    exchange: Exchange,
+    strip: bool,
+    strip_continuous: bool = False,
+    latest: list[bytes] | None = None,
+) -> bytes:
+    """Report the usage in a block of whole SSE events; drop usage-only events if strip.
+
+    An event that carries choices and the usage so far (continuous_usage_stats) is not
+    decoded here: its usage goes to `latest` (reported by `_report_latest` if the stream ends
+    without a usage-only event, e.g. when the client goes away), and with strip_continuous
+    it is cut out of the event."""
     kept = []
     for event in block.split(b"\n\n"):
         if b'"usage"' in event and event.startswith(b"data: {"):
-            try:
-                parsed = _event_decoder.decode(event[6:])
-            except msgspec.DecodeError:
-                parsed = None
-            if parsed is not None and parsed.usage is not None:
-                _report_usage(exchange, parsed.usage)
-                if strip and not parsed.choices:
+            if latest is not None and b'"choices":[]' not in event:
+                # vLLM writes compact JSON with the usage last: cut it out without a decode.
+                cut = event.rfind(_USAGE_KEY)
+                if cut > 0 and event.endswith(b"}}") and b"{" not in event[cut + 10 :]:
+                    if latest:
+                        latest[0] = event[cut + 9 : -1]
+                    else:
+                        latest.append(event[cut + 9 : -1])
+                    kept.append(event[:cut] + b"}" if strip_continuous else event)
                     continue
+            event = _usage_event(event, exchange, strip, strip_continuous, latest)
+            if not event:
+                continue
         kept.append(event)
     return b"\n\n".join(kept)
 
 
+def _usage_event(
+    event: bytes,
+    exchange: Exchange,
+    strip: bool,
+    strip_continuous: bool,
+    latest: list[bytes] | None,
+) -> bytes:
+    """One event with "usage" in it, decoded: the event to relay (b"" to drop it)."""
+    try:
+        parsed = _event_decoder.decode(event[6:])
+    except msgspec.DecodeError:
+        return event
+    if parsed.usage is None:
+        return event
+    if not parsed.choices:  # the usage-only event at the end: the stream's final count
+        _report_usage(exchange, parsed.usage)
+        if latest:
+            latest.clear()
+        return b"" if strip else event
+    if latest is not None:
+        latest[:] = [msgspec.json.encode(parsed.usage)]
+    else:
+        _report_usage(exchange, parsed.usage)
+    if not strip_continuous:
+        return event
+    payload = _dict_decoder.decode(event[6:])
+    payload.pop("usage", None)
+    return b"data: " + msgspec.json.encode(payload)
+
+
+def _report_latest(exchange: Exchange, latest: list[bytes]) -> None:
+    """The stream ended before its usage-only event: count what the engine reported so far."""
+    if latest:
+        try:
+            usage = _usage_only_decoder.decode(latest[0])
+        except msgspec.DecodeError:
+            return
+        _report_usage(exchange, usage)
+
+
 async def _relay_chunks(
-    upstream: aiohttp.ClientResponse, exchange: Exchange, finish: _Once, strip_usage: bool
+    upstream: aiohttp.ClientResponse,
+    exchange: Exchange,
+    finish: _Once,
+    strip_usage: bool,
+    strip_continuous: bool = False,
 ) -> AsyncIterator[bytes]:
     # Closing the upstream response when the client goes away (this generator is
     # cancelled or closed) drops the engine connection, and vLLM aborts the request.
     status = 200
     pending = b""  # an event not yet complete
     first = True
+    latest: list[bytes] = []  # the last continuous usage seen, not yet decoded
     try:
         async for chunk in upstream.content.iter_any():
             if first:
@@ -244,7 +315,7 @@ async def _relay_chunks(
                 pending = data
                 continue
             block, pending = data[: cut + 2], data[cut + 2 :]
-            block = _events_with_usage(block, exchange, strip_usage)
+            block = _events_with_usage(block, exchange, strip_usage, strip_continuous, latest)
             if block.strip():
                 yield block
         if pending:
@@ -266,6 +337,7 @@ async def _relay_chunks(
         )
     finally:
         upstream.close()
+        _report_latest(exchange, latest)
         finish(status)
 
 

@@ -1,9 +1,16 @@
 """The gateway's side of the routing conversation with the router.
 
-One DEALER socket per gateway process, owned by one reader task that matches
-replies to waiting requests by request id. Every wait has a deadline
-(`gateway.route_timeout_s`): a router that does not answer costs a 503, never a
-hung request.
+The router binds a ZeroMQ ROUTER; this side is a DEALER driven straight from the event loop
+(gateway/zmtp_dealer.py speaks ZeroMQ's wire protocol on the loop's own connection), so a
+request costs one write and one read on the loop, no libzmq I/O thread, no zmq.asyncio
+future. Requests made in one loop iteration leave together as the frames of one multipart
+message; the router answers with one multipart message of replies, matched to waiting
+requests by request id. Releases ride on the next Route (or leave alone after
+``RELEASE_DELAY_S``).
+
+Every wait has a deadline (`gateway.route_timeout_s`): a router that does not answer costs
+a 503, never a hung request. While no router is connected, messages wait in the outbox (as
+ZMQ_IMMEDIATE did: nothing is sent towards a router that is not there), up to that deadline.
 """
 
 from __future__ import annotations
@@ -15,10 +22,9 @@ import time
 from typing import Any, TypeVar
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from hpcserve.gateway.replica_view import ReplicaView
+from hpcserve.gateway.zmtp_dealer import ZmtpDealer
 from hpcserve.router import protocol as p
 
 log = logging.getLogger(__name__)
@@ -26,6 +32,8 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=p.RoutingReply)
 # A Release waits at most this long for a Route to ride on.
 RELEASE_DELAY_S = 0.002
+# At most this many messages leave as one multipart message.
+MAX_FRAMES = 256
 
 
 class RouterUnavailable(Exception):
@@ -50,24 +58,27 @@ class RoutingClient:
         self._viewer: asyncio.Task[None] | None = None
         # A LoRA adapter loaded on demand (router/adapters.py): how long a request waits.
         self.adapter_wait_s = adapter_wait_s
-        self._ctx = zmq.asyncio.Context()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._dealer: ZmtpDealer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[p.RoutingReply]] = {}
-        self._reader: asyncio.Task[None] | None = None
+        # request id -> (future, deadline on the loop's clock)
+        self._pending: dict[int, tuple[asyncio.Future[p.RoutingReply], float]] = {}
+        # (request id, or 0 for a Release; encoded message) not yet sent
+        self._outbox: list[tuple[int, bytes]] = []
+        self._flush_soon = False
+        self._expiry: asyncio.TimerHandle | None = None
         self._released: list[str] = []
-        self._flush: asyncio.TimerHandle | None = None
+        self._released_models: list[str] = []  # what each of _released asked for
+        self._release_timer: asyncio.TimerHandle | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = p.routing_reply_decoder.decode
 
     async def start(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        # Requests queued for a router that is down would be answered late or never: drop them.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(self.endpoint)
-        self._sock = sock
-        self._reader = asyncio.create_task(self._read_replies(), name="routing-client-reader")
+        self._loop = asyncio.get_running_loop()
+        self._dealer = ZmtpDealer(self.endpoint, self._on_message, self._flush)
+        self._dealer.start()
         self._viewer = asyncio.create_task(self._refresh_view(), name="routing-client-view")
-        log.info("routing client connected to %s", self.endpoint)
+        log.info("routing client connecting to %s", self.endpoint)
 
     async def _refresh_view(self) -> None:
         while True:
@@ -78,50 +89,93 @@ class RoutingClient:
             await asyncio.sleep(self.view_refresh_s)
 
     async def close(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
+        if self._release_timer is not None:
+            self._release_timer.cancel()
             self._send_releases()
-        for task in (self._viewer, self._reader):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        if self._sock is not None:
-            self._sock.close(0)
-        self._ctx.term()
+        self._flush()
+        if self._viewer is not None:
+            self._viewer.cancel()
+            await asyncio.gather(self._viewer, return_exceptions=True)
+        if self._expiry is not None:
+            self._expiry.cancel()
+        if self._dealer is not None:
+            await self._dealer.close()
+            self._dealer = None
 
-    async def _read_replies(self) -> None:
-        assert self._sock is not None
-        while True:
-            payload = await self._sock.recv()
+    # --- the connection -------------------------------------------------------------
+    def _on_message(self, frames: list[bytes]) -> None:
+        pending, decode = self._pending, self._decode
+        for payload in frames:
             try:
-                reply = p.routing_reply_decoder.decode(payload)
+                reply = decode(payload)
             except msgspec.DecodeError as err:
                 log.warning("undecodable reply from router dropped: %s", err)
                 continue
-            future = self._pending.pop(reply.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(reply)
+            waiting = pending.pop(reply.request_id, None)
+            if waiting is not None and not waiting[0].done():
+                waiting[0].set_result(reply)
+            elif isinstance(reply, p.RouteReply) and reply.replica_id:
+                # Its request gave up (deadline, client gone): the router counted it routed.
+                self.release(reply.replica_id)
+
+    def _send(self, request_id: int, payload: bytes) -> None:
+        self._outbox.append((request_id, payload))
+        if not self._flush_soon:
+            self._flush_soon = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Everything queued in this loop iteration, as one message (MAX_FRAMES at most)."""
+        self._flush_soon = False
+        dealer = self._dealer
+        if dealer is None or not dealer.connected or not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+        for at in range(0, len(outbox), MAX_FRAMES):
+            dealer.send([payload for _, payload in outbox[at : at + MAX_FRAMES]])
+
+    def _expire(self) -> None:
+        """Fail requests past their deadline; re-armed while any wait."""
+        self._expiry = None
+        assert self._loop is not None
+        now = self._loop.time()
+        for request_id, (future, deadline) in list(self._pending.items()):
+            if deadline <= now:
+                del self._pending[request_id]
+                if not future.done():
+                    future.set_exception(self._unavailable())
+        if self._outbox:  # what waited for a router in vain is not sent later
+            self._outbox = [m for m in self._outbox if m[0] in self._pending]
+        self._arm_expiry()
+
+    def _arm_expiry(self) -> None:
+        if self._expiry is None and self._pending:
+            assert self._loop is not None
+            self._expiry = self._loop.call_later(min(self.timeout_s / 4, 0.25), self._expire)
+
+    def _unavailable(self) -> RouterUnavailable:
+        return RouterUnavailable(
+            f"router at {self.endpoint} did not answer within {self.timeout_s:g}s "
+            "(gateway.route_timeout_s)"
+        )
 
     async def _ask(self, make: type, reply_type: type[R], **fields: object) -> R:
-        assert self._sock is not None, "RoutingClient.start() was not awaited"
+        assert self._loop is not None, "RoutingClient.start() was not awaited"
         request_id = next(self._ids)
-        future: asyncio.Future[p.RoutingReply] = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
+        future: asyncio.Future[p.RoutingReply] = self._loop.create_future()
+        self._pending[request_id] = (future, self._loop.time() + self.timeout_s)
+        self._send(request_id, self._encode(make(request_id=request_id, **fields)))
+        if self._expiry is None:
+            self._arm_expiry()
         try:
-            async with asyncio.timeout(self.timeout_s):
-                # IMMEDIATE is set: while no router is connected this waits, up to the deadline.
-                await self._sock.send(p.encode(make(request_id=request_id, **fields)))
-                reply = await future
-        except TimeoutError:
-            raise RouterUnavailable(
-                f"router at {self.endpoint} did not answer within {self.timeout_s:g}s "
-                "(gateway.route_timeout_s)"
-            ) from None
+            reply = await future
         finally:
             self._pending.pop(request_id, None)
         assert isinstance(reply, reply_type)
         return reply
 
+    # --- requests -------------------------------------------------------------------
     async def route(
         self,
         model: str,
@@ -132,15 +186,15 @@ class RoutingClient:
     ) -> p.RouteReply:
         """`hints`: Route's prefix-routing fields (router/prompt_tokens.py RouteHints).
         While the router is away, routes on the last replica set it listed (ReplicaView)."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.adapter_wait_s
+        assert self._loop is not None, "RoutingClient.start() was not awaited"
+        give_up_at = self._loop.time() + self.adapter_wait_s
         while True:
             if self.view.router_away and (fallback := self.view.pick(model, exclude or ())):
                 return fallback
             if exclude:
                 hints["exclude"] = exclude
             if self._released:
-                hints["released"] = self._take_released()
+                hints["released"], hints["released_models"] = self._take_released()
             try:
                 reply = await self._ask(
                     p.Route, p.RouteReply, model=model, priority=priority, **hints
@@ -152,8 +206,9 @@ class RoutingClient:
                     raise
                 return fallback
             hints.pop("released", None)
+            hints.pop("released_models", None)
             # The router is loading the LoRA adapter `model` names: ask again shortly.
-            if reply.error != "adapter_loading" or loop.time() >= give_up_at:
+            if reply.error != "adapter_loading" or self._loop.time() >= give_up_at:
                 return reply
             await asyncio.sleep(0.05)
 
@@ -166,34 +221,39 @@ class RoutingClient:
     async def replicas(self) -> p.ReplicaList:
         return await self._ask(p.ListReplicas, p.ReplicaList)
 
-    def release(self, replica_id: str) -> None:
-        """Count a routed request finished: folded into the next Route (one send instead of
-        two per request), or sent alone after `RELEASE_DELAY_S` when no Route comes."""
-        if self._sock is None:
+    def release(self, replica_id: str, model: str = "") -> None:
+        """Count a routed request finished: folded into the next Route (one message instead
+        of two per request), or sent alone after `RELEASE_DELAY_S` when no Route comes.
+        `model`: what the request asked for (the router counts LoRA adapters in flight)."""
+        if self._dealer is None:
             return
         self.view.released(replica_id)
         self._released.append(replica_id)
-        if self._flush is None:
-            loop = asyncio.get_running_loop()
-            self._flush = loop.call_later(RELEASE_DELAY_S, self._send_releases)
+        self._released_models.append(model)
+        if self._release_timer is None:
+            assert self._loop is not None
+            self._release_timer = self._loop.call_later(RELEASE_DELAY_S, self._send_releases)
 
-    def _take_released(self) -> list[str]:
+    def _take_released(self) -> tuple[list[str], list[str]]:
         released, self._released = self._released, []
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        return released
+        models, self._released_models = self._released_models, []
+        if self._release_timer is not None:
+            self._release_timer.cancel()
+            self._release_timer = None
+        return released, models
 
     def _send_releases(self) -> None:
-        self._flush = None
+        """Pending Releases as frames of the next message (fire and forget)."""
+        self._release_timer = None
         released, self._released = self._released, []
-        if self._sock is None or not released:
+        models, self._released_models = self._released_models, []
+        if self._dealer is None or not released:
             return
-        for replica_id in released:
-            sent = self._sock.send(p.encode(p.Release(replica_id)), flags=zmq.NOBLOCK)
-            sent.add_done_callback(_log_dropped_release)
-
-
-def _log_dropped_release(sent: asyncio.Future[object]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        log.debug("release dropped: %s", sent.exception())
+        self._outbox.extend(
+            (0, self._encode(p.Release(replica_id, model)))
+            for replica_id, model in zip(released, models, strict=True)
+        )
+        if not self._flush_soon:
+            self._flush_soon = True
+            assert self._loop is not None
+            self._loop.call_soon(self._flush)

@@ -37,13 +37,18 @@ def cmd_router(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
+    from hpcserve.router.aliases import AliasCatalog, AliasRouter
     from hpcserve.router.server import RouterServer
 
     cfg = _load(args)
     registry = CollectorRegistry()
     # LoRA adapters come from the model registry (router/adapters.py).
     adapters = AdapterRouter(AdapterCatalog.from_registry(cfg.registry_path()))
-    server = RouterServer(cfg.router, metrics_registry=registry, adapters=adapters)
+    # So do aliases and canary shares (router/aliases.py).
+    aliases = AliasRouter(
+        AliasCatalog.from_registry(cfg.registry_path(), refresh_s=cfg.router.alias_refresh_s)
+    )
+    server = RouterServer(cfg.router, metrics_registry=registry, adapters=adapters, aliases=aliases)
     try:
         server.bind()
     except RuntimeError as err:  # a port in use, plain registry on a public address, keys

@@ -41,12 +41,16 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # kv-aware: new prefill tokens + decode load + KV pressure (the default);
     # least-load and round-robin are the baselines.
     policy: RoutingPolicy = "kv-aware"
-    # One request on a replica costs as much as this many prompt tokens to prefill.
-    tokens_per_request: PosFloat = 512.0
+    # One request on a replica costs as much as this many prompt tokens to prefill (small:
+    # a running request barely slows a batch; real overload is the overload gate's).
+    tokens_per_request: PosFloat = 64.0
     # Overload gate: a replica more than overload_abs requests and overload_rel times above
     # the least loaded one gets no cache bonus.
     overload_abs: NonNegInt = 4
     overload_rel: PosFloat = 1.5
+    # Share gate: in a fleet of 3 or more, a replica that took more than this share of the
+    # model's recent requests gets no cache bonus either (one shared prompt spreads; 1: off).
+    max_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.4
     # Weight of the KV-pressure term, and a replica's KV capacity in tokens (0: use only the
     # engine's reported KV usage).
     kv_pressure_weight: NonNegFloat = 1.0
@@ -77,6 +81,9 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # plain, which the router refuses on a non-loopback registry_bind unless allowed here.
     curve_dir: str = ""
     allow_plain_remote: bool = False
+    # How often the router re-reads aliases and canary shares from the model registry
+    # (router/aliases.py): `hpcserve models alias|promote` takes effect within this.
+    alias_refresh_s: PosFloat = 2.0
 
     def engines_dial(self) -> str:
         return self.registry_endpoint or self.registry_bind
@@ -93,6 +100,7 @@ class ApiKey(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 Priority = Literal["interactive", "batch"]
 Overflow = Literal["never", "external"]
+SchedulingPolicy = Literal["fcfs", "priority"]
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -112,6 +120,9 @@ class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     overflow: Overflow = "never"
     # Data must stay on this site's GPUs: never overflowed, whatever `overflow` says.
     data_resident: bool = False
+    # With overflow "external": overflow once every replica would queue the request longer
+    # than this (seconds); 0: gateway.overflow.queue_budget_s.
+    queue_budget_s: NonNegFloat = 0.0
 
 
 class ExternalAPIConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -124,6 +135,9 @@ class ExternalAPIConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True)
     # Our model name -> its model name; a model not listed here is never overflowed.
     models: dict[str, str] = {}
     timeout_s: PosFloat = 120.0
+    # A request overflows when no replica could start it within this many seconds (the
+    # router's estimate, router/queue_wait.py), or when there is no replica; 0: only then.
+    queue_budget_s: NonNegFloat = 5.0
 
 
 class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -183,6 +197,9 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_backoff_s: PosFloat = 600.0
     # A replica that has served this long resets its pool's failure count.
     healthy_after_s: PosFloat = 120.0
+    # A pending replica pinned to a node whose cache holds its model (poolmgr/placement.py)
+    # is replaced by an unpinned one once that node has been down or drained this long.
+    pin_wait_s: NonNegFloat = 60.0
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -209,6 +226,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_loras: NonNegInt = 0
     max_lora_rank: PosInt = 16
     lora_adapters: list[Name] = []
+    # vLLM's --scheduling-policy. "priority" serves the gateway's X-Vllm-Priority (batch after
+    # interactive, gateway/batch/priority.py); with equal priorities it is first come, first
+    # served, so it is the default. "fcfs" ignores priorities.
+    scheduling_policy: SchedulingPolicy = "priority"
 
     @property
     def model(self) -> str:
@@ -235,6 +256,11 @@ class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Batch requests in flight per replica of a model (all batches together): enough to keep
     # an engine's batch full, few enough that interactive requests still find room.
     concurrency_per_replica: PosInt = 32
+    # Adapt that bound to the engines' reported queues (gateway/batch/concurrency.py: grow
+    # while they queue nothing, back off when they queue), from concurrency_per_replica up
+    # to max_concurrency_per_replica. Off: concurrency_per_replica is fixed.
+    adaptive_concurrency: bool = True
+    max_concurrency_per_replica: PosInt = 1024
     # Tries per request when a replica fails (unreachable, timeout, 5xx) before the error file.
     max_attempts: PosInt = 3
     retry_backoff_s: PosFloat = 1.0
@@ -467,6 +493,11 @@ def _check_tenants(gateway: GatewayConfig) -> None:
             raise ConfigError(
                 f"gateway.tenants[{i}]: {tenant.name!r} is data_resident, so its overflow must "
                 f"be 'never', not {tenant.overflow!r}"
+            )
+        if tenant.queue_budget_s and tenant.overflow != "external":
+            raise ConfigError(
+                f"gateway.tenants[{i}].queue_budget_s: {tenant.name!r} never overflows "
+                f"(overflow {tenant.overflow!r}), so a queue budget means nothing; remove it"
             )
     if declared:
         for i, key in enumerate(gateway.api_keys):

@@ -61,7 +61,11 @@ def add_models_registry_parsers(models_subparsers: Any) -> None:
     p.add_argument("--version", type=int, metavar="N", help="version number (default: next)")
     p.add_argument("--digest", choices=ALGORITHMS, default=DEFAULT_ALGORITHM)
     p.add_argument("--workers", type=int, default=8, metavar="N", help="files hashed at once")
-    p.add_argument("--lora-base", metavar="MODEL", help="register a LoRA adapter of MODEL")
+    p.add_argument(
+        "--lora-base",
+        metavar="MODEL[@N]",
+        help="register a LoRA adapter of that base version (default: the latest)",
+    )
     p.add_argument(
         "--lora-rank",
         type=int,
@@ -148,12 +152,12 @@ def cmd_models_add(args: argparse.Namespace) -> int:
     with Registry(args.registry) as reg:
         reg.check_free(args.name, "model" if args.lora_base is None else "adapter")
         if args.lora_base is not None:
-            reg.model(args.lora_base)  # fail before hashing, not after
+            reg.version(args.lora_base)  # fail before hashing, not after
         manifest = _manifest_of(source, args.digest, args.workers, f"hashing {args.name}")
         if args.lora_base is not None:
             rank = args.lora_rank or _lora_rank(source)
             a = reg.add_adapter(args.name, args.lora_base, str(source), manifest, rank=rank)
-            print(f"added adapter {a.name} (base {a.base_model}, rank {a.rank})")
+            print(f"added adapter {a.name} (base {a.base_ref}, rank {a.rank})")
             return 0
         v = reg.add_version(
             args.name,
@@ -187,7 +191,7 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         print(_table(["ALIAS", "TARGET", "CANARY"], [_alias_row(a) for a in aliases]))
     if adapters:
         print()
-        rows = [[a.name, a.base_model, str(a.rank), a.path] for a in adapters]
+        rows = [[a.name, a.base_ref, str(a.rank), a.path] for a in adapters]
         print(_table(["ADAPTER", "BASE", "RANK", "PATH"], rows))
     return 0
 

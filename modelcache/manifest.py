@@ -16,6 +16,7 @@ blake3 1.55 GB/s per thread; blake3 also hashes one large buffer on several core
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -148,8 +149,33 @@ def list_files(directory: Path) -> list[str]:
     return sorted(found)
 
 
-def hash_file(path: Path, algorithm: str, chunk_bytes: int, progress: ProgressSink | None) -> str:
+def hash_file(
+    path: Path,
+    algorithm: str,
+    chunk_bytes: int,
+    progress: ProgressSink | None,
+    *,
+    mapped: bool = False,
+) -> str:
+    """The file's digest. `mapped` hashes the page cache in place (mmap) instead of reading
+    into a buffer, ~15% less CPU here; only for files nobody truncates while we read (a
+    cache entry: read-only, replaced by rename), since a mapped file that shrinks raises
+    SIGBUS."""
     hasher = new_hasher(algorithm)
+    if mapped:
+        grain = mmap.ALLOCATIONGRANULARITY  # mapping offsets must be multiples of it
+        step = max(grain, chunk_bytes - chunk_bytes % grain)
+        with open(path, "rb", buffering=0) as f:
+            size, offset = os.fstat(f.fileno()).st_size, 0
+            while offset < size:
+                n = min(step, size - offset)
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                with mmap.mmap(f.fileno(), n, flags, mmap.PROT_READ, offset=offset) as view:
+                    hasher.update(memoryview(view))
+                offset += n
+                if progress is not None:
+                    progress.advance(n)
+        return hasher.hexdigest()
     buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -191,7 +217,8 @@ def verify(
     progress: ProgressSink | None = None,
 ) -> list[Mismatch]:
     """Every file of `manifest` that is missing, of another size, or (unless `sizes_only`)
-    of another digest in `directory`. Files not in the manifest are ignored."""
+    of another digest in `directory` (a cache entry: hashed mapped). Files not in the
+    manifest are ignored."""
     problems: list[Mismatch] = []
     present: list[FileEntry] = []
     for f in manifest.files:
@@ -208,7 +235,7 @@ def verify(
         return problems
     sizes = {f.path: f.size for f in present}
     digests = _map_largest_first(
-        lambda p: hash_file(directory / p, manifest.algorithm, chunk_bytes, progress),
+        lambda p: hash_file(directory / p, manifest.algorithm, chunk_bytes, progress, mapped=True),
         list(sizes),
         sizes,
         workers,

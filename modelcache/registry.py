@@ -5,7 +5,9 @@ A version is one concrete set of weights: a source directory, its digest manifes
 quantisation (bf16, fp16, fp8, awq or gptq, the last two int4) and the engine arguments it
 needs. A quantised variant of the same model is added as its own version, so every
 `name@version` names exactly one manifest. Model, alias and adapter names share one
-namespace, since a client may ask for any of them as its `model`.
+namespace, since a client may ask for any of them as its `model`. A LoRA adapter is bound
+to one version of its base model (it was trained against those weights): it is served only
+by replicas of that version, and that version cannot be removed while the adapter exists.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from hpcserve.modelcache.manifest import Manifest, decode_manifest
 from hpcserve.modelcache.refs import Ref, check_name, parse_ref
 
 QUANTIZATIONS = ("bf16", "fp16", "fp8", "awq", "gptq")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA = """
 CREATE TABLE models (
     name TEXT PRIMARY KEY,
@@ -50,7 +52,9 @@ CREATE TABLE adapters (
     manifest TEXT NOT NULL,
     manifest_digest TEXT NOT NULL,
     total_bytes INTEGER NOT NULL,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    base_version INTEGER NOT NULL,
+    FOREIGN KEY (base_model, base_version) REFERENCES versions(model, version)
 );
 CREATE TABLE aliases (
     name TEXT PRIMARY KEY,
@@ -72,6 +76,13 @@ CREATE TABLE replica_usage (
     PRIMARY KEY (replica_id, model, version),
     FOREIGN KEY (model, version) REFERENCES versions(model, version)
 );
+"""
+# From schema 1: adapters gain the base version they are bound to; an existing adapter is
+# bound to its base model's latest version.
+_MIGRATE_1_TO_2 = """
+ALTER TABLE adapters ADD COLUMN base_version INTEGER NOT NULL DEFAULT 0;
+UPDATE adapters SET base_version =
+    (SELECT COALESCE(MAX(version), 0) FROM versions WHERE model = adapters.base_model);
 """
 
 
@@ -110,6 +121,11 @@ class Adapter(msgspec.Struct, frozen=True):
     manifest_digest: str
     total_bytes: int
     created: float
+    base_version: int = 0  # the version of base_model it is bound to
+
+    @property
+    def base_ref(self) -> str:
+        return f"{self.base_model}@{self.base_version}"
 
 
 class Alias(msgspec.Struct, frozen=True):
@@ -195,18 +211,20 @@ class Registry:
         return self.version(f"{name}@{version}")
 
     def add_adapter(
-        self, name: str, base_model: str, path: str, manifest: Manifest, *, rank: int
+        self, name: str, base: str, path: str, manifest: Manifest, *, rank: int
     ) -> Adapter:
+        """Register an adapter bound to `base`: `name@3`, or `name` (its latest version) or
+        an alias (its target now); the binding does not follow later versions."""
         check_name(name, "adapter name")
         if not isinstance(rank, int) or rank < 1:
             raise RegistryError(f"LoRA rank must be a positive integer, got {rank!r}")
         with self._write():
             self.check_free(name, kind="adapter")
-            self._require_model(base_model)
+            ref = self._require_version(base)
             self._db.execute(
-                "INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (name, base_model, rank, path, manifest.encode().decode(), manifest.digest(),
-                 manifest.total_bytes, self.clock()),
+                "INSERT INTO adapters VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (name, ref.name, rank, path, manifest.encode().decode(), manifest.digest(),
+                 manifest.total_bytes, self.clock(), ref.version),
             )  # fmt: skip
         return self.adapter(name)
 
@@ -384,9 +402,10 @@ class Registry:
                     f"{SCHEMA_VERSION} (upgrade hpcserve)"
                 )
             if found == 0:
-                for statement in SCHEMA.split(";"):
-                    if statement.strip():
-                        self._db.execute(statement)
+                _run_script(self._db, SCHEMA)
+            elif found == 1:
+                _run_script(self._db, _MIGRATE_1_TO_2)
+            if found != SCHEMA_VERSION:
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     @contextlib.contextmanager
@@ -455,6 +474,9 @@ class Registry:
         for ref in refs:
             self._require_version(str(ref))
             self._refuse_if_used(ref)
+            bound = [a.name for a in self.adapters() if a.base_ref == str(ref)]
+            if bound:
+                raise InUseError(f"{ref} is the base model of adapters: {', '.join(bound)}")
             self._db.execute(
                 "DELETE FROM versions WHERE model = ? AND version = ?", (name, ref.version)
             )
@@ -493,8 +515,15 @@ def _version_from_row(row: Sequence[Any]) -> ModelVersion:
 
 
 def _adapter_from_row(row: Sequence[Any]) -> Adapter:
-    name, base, rank, path, _manifest, digest, total, created = row
-    return Adapter(name, base, rank, path, digest, total, created)
+    name, base, rank, path, _manifest, digest, total, created, base_version = row
+    return Adapter(name, base, rank, path, digest, total, created, base_version)
+
+
+def _run_script(db: sqlite3.Connection, script: str) -> None:
+    """Each statement on its own: executescript would commit the open transaction."""
+    for statement in script.split(";"):
+        if statement.strip():
+            db.execute(statement)
 
 
 def _alias_from_row(row: Sequence[Any]) -> Alias:

@@ -12,6 +12,7 @@ one, the others keep running. `hpcserve scale` writes overrides the next poll pi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,7 +27,7 @@ from hpcserve.modelcache.registry import RegistryError
 from hpcserve.poolmgr.failures import FailureTracker
 from hpcserve.poolmgr.identity import JobIdentity
 from hpcserve.poolmgr.observe import Observation, observe
-from hpcserve.poolmgr.placement import CacheInventory, job_pins
+from hpcserve.poolmgr.placement import CacheInventory, PinWatch, chooses_nodes, job_pins
 from hpcserve.poolmgr.reconcile import (
     Cancel,
     Drain,
@@ -109,6 +110,7 @@ class PoolManager:
         self._replicas: list[ReplicaInfo] = []
         self._nodes: list[SlurmNode] = []
         self.cache_inventory = CacheInventory()
+        self.pin_watch = PinWatch(config.poolmgr.pin_wait_s)
         self.registry_usage = RegistryUsage(config.registry_path())
         self._seen_states: dict[int, JobState] = {}
         self.last_observation: Observation | None = None
@@ -211,6 +213,7 @@ class PoolManager:
             log.warning("cannot read job states, retrying next poll: %s", err)
             return None
         now = self._clock()
+        observation = self._retire_stranded_pins(observation, now)
         desired = self.desired()
         for name, want in desired.items():
             self.metrics.desired.labels(name).set(want)
@@ -234,6 +237,42 @@ class PoolManager:
         self._write_status(desired, observation, plan, now)
         self.metrics.poll_seconds.set(time.perf_counter() - started)
         return plan
+
+    def _retire_stranded_pins(self, observation: Observation, now: float) -> Observation:
+        """A pending replica pinned to a node (placement by cache) that has been down or
+        drained for poolmgr.pin_wait_s is retired like a job on a bad node: cancelled, and
+        replaced by one that placement does not pin there."""
+        pinned_by_us = [
+            job
+            for job, ident in observation.ours
+            if ident.pool in self._pool_names
+            and not chooses_nodes(
+                [*self.config.slurm.extra_args, *self.config.pool(ident.pool).sbatch_args]
+            )
+        ]
+        self.pin_watch.wait_s = self.config.poolmgr.pin_wait_s
+        known = set(self.pin_watch.since)
+        stranded = self.pin_watch.stranded(pinned_by_us, self._nodes, now)
+        for job_id in self.pin_watch.since.keys() - known:
+            log.info("job %d waits for a pinned node that is down or drained", job_id)
+        if not stranded:
+            return observation
+        for job_id, nodes in stranded.items():
+            log.warning(
+                "job %d: pinned node %s down or drained for %gs or more; replacing it unpinned",
+                job_id,
+                ",".join(nodes),
+                self.pin_watch.wait_s,
+            )
+        jobs = [
+            dataclasses.replace(job, on_bad_node=True) if job.job_id in stranded else job
+            for job in observation.jobs
+        ]
+        return dataclasses.replace(observation, jobs=jobs)
+
+    @property
+    def _pool_names(self) -> set[str]:
+        return {pool.name for pool in self.config.pools}
 
     def _act_on_health(self) -> None:
         if self._router_endpoint is None:

@@ -12,6 +12,13 @@ to keep in step with every node's cache. So the pool manager asks for a holder o
 one can start the job now: up, not drained, in the partition, with the GPUs free (GRES
 total minus used). Several jobs of one submission are spread over the holders' free GPUs;
 the rest go unconstrained, and so does everything when no holder has room.
+
+A pinned job can still be stranded: its node goes down or is drained after submission, and
+a `--nodelist` job waits for it forever. `PinWatch` finds such jobs (pending, pinned, a
+pinned node down, drained or gone in the node listing, or named unavailable by Slurm's
+pending reason) and reports those stranded for `wait_s`; the pool manager then replaces
+them (reconcile retires them like jobs on a bad node), and the replacement is not pinned
+there since placement skips down and drained nodes.
 """
 
 from __future__ import annotations
@@ -20,7 +27,12 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from hpcserve.poolmgr.slurm_parse import SlurmNode
+from hpcserve.poolmgr.slurm_parse import (
+    JobState,
+    SlurmJob,
+    SlurmNode,
+    unavailable_required_nodes,
+)
 
 _GPU_COUNT = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")
 
@@ -102,8 +114,7 @@ def job_pins(
     """The node to pin each of `jobs` new replicas to ("" for none): a node that holds
     `cache_key` and can start it now. None for a model outside the registry (no key), a
     multi-node replica, or a pool whose own sbatch arguments already choose nodes."""
-    chooses_nodes = any(a.startswith(("--nodelist", "-w", "--exclude", "-x")) for a in sbatch_args)
-    if not cache_key or nodes_per_job > 1 or chooses_nodes:
+    if not cache_key or nodes_per_job > 1 or chooses_nodes(sbatch_args):
         return [""] * jobs
     return placements(
         inventory.holders(cache_key),
@@ -112,3 +123,46 @@ def job_pins(
         gpus_per_job=gpus_per_job,
         partition=partition,
     )
+
+
+def chooses_nodes(sbatch_args: Sequence[str]) -> bool:
+    """Whether a pool's own sbatch arguments pick or exclude nodes (then it is never pinned)."""
+    return any(a.startswith(("--nodelist", "-w", "--exclude", "-x")) for a in sbatch_args)
+
+
+def unavailable_pin(job: SlurmJob, nodes: Sequence[SlurmNode]) -> list[str]:
+    """The nodes a pending pinned job (`--nodelist`) waits for in vain: down, drained or
+    missing in the node listing, or named unavailable by Slurm's pending reason. Empty
+    when the job is not pending, not pinned, or its nodes can still take it."""
+    if job.state is not JobState.PENDING or not job.required_nodes:
+        return []
+    by_name = {n.name: n for n in nodes}
+
+    def gone(name: str) -> bool:
+        node = by_name.get(name)
+        if node is None:
+            return bool(by_name)  # an empty listing (not read yet) says nothing
+        return node.down or node.drained
+
+    bad = [name for name in job.required_nodes if gone(name)]
+    named = unavailable_required_nodes(job.state_reason, job.state_description) or []
+    return bad + [n for n in named if n in job.required_nodes and n not in bad]
+
+
+@dataclass
+class PinWatch:
+    """Pending pinned jobs whose node went away, and since when each was seen so."""
+
+    wait_s: float
+    since: dict[int, float] = field(default_factory=dict)
+
+    def stranded(
+        self, jobs: Iterable[SlurmJob], nodes: Sequence[SlurmNode], now: float
+    ) -> dict[int, list[str]]:
+        """job id -> its unavailable pinned nodes, for the jobs seen stranded (this call and
+        every call since) for at least `wait_s`; a job that recovers starts over."""
+        seen = {job.job_id: bad for job in jobs if (bad := unavailable_pin(job, nodes))}
+        self.since = {job_id: self.since.get(job_id, now) for job_id in seen}
+        return {
+            job_id: bad for job_id, bad in seen.items() if now - self.since[job_id] >= self.wait_s
+        }

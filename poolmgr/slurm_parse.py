@@ -121,6 +121,10 @@ class SlurmJob(msgspec.Struct, frozen=True):
     time_limit_s: int | None  # None for unlimited
     end_time: int | None
     batch_host: str
+    # The nodes it must run on (sbatch --nodelist), and Slurm's long form of state_reason
+    # (e.g. "ReqNodeNotAvail, UnavailableNodes:n2"); empty when none.
+    required_nodes: list[str] = []
+    state_description: str = ""
 
     @property
     def is_active(self) -> bool:
@@ -337,7 +341,30 @@ def _parse_job(raw: object, index: int) -> SlurmJob:
         time_limit_s=None if limit_min is None else limit_min * 60,
         end_time=_time(raw.get("end_time")),
         batch_host=_str(raw.get("batch_host")),
+        required_nodes=expand_hostlist(_str(raw.get("required_nodes"))),
+        state_description=_str(raw.get("state_description")),
     )
+
+
+_UNAVAILABLE_NODES = re.compile(r"UnavailableNodes:(\S*)")
+
+
+def unavailable_required_nodes(reason: str, description: str) -> list[str] | None:
+    """What a pending job's reason says about its required nodes (sbatch --nodelist): the
+    unavailable ones it names ("ReqNodeNotAvail, UnavailableNodes:n[1-2]"), [] when it says
+    some are down or drained without naming them, None when it is not waiting for them.
+
+    Seen on 22.05: a job pinned to a drained or down node has reason "ReqNodeNotAvail" and
+    description "ReqNodeNotAvail, UnavailableNodes:n2"; before the scheduler's next pass,
+    reason "Resources" with description "Nodes required for job are DOWN, DRAINED or
+    reserved for jobs in higher priority partitions" (the reservation case cannot be told
+    apart here: the caller checks the node states)."""
+    match = _UNAVAILABLE_NODES.search(description)
+    if match is not None:
+        return expand_hostlist(match.group(1).rstrip(",)"))
+    if reason.startswith("ReqNodeNotAvail") or description.startswith("Nodes required for job"):
+        return []
+    return None
 
 
 def parse_squeue_json(text: str | bytes) -> SqueueSnapshot:

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 
 from hpcserve.config import HealthConfig, PlatformConfig, PoolConfig
+from hpcserve.engine_launch.vllm_args import scheduling_args
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.render import JobSpec
 from hpcserve.poolmgr.state_files import write_atomic
@@ -90,9 +91,16 @@ def write_lora_plan(config: PlatformConfig, pool: PoolConfig) -> str:
     if pool.max_loras <= 0:
         return ""
     from hpcserve.engine_launch.lora import LoraPlan, StaticAdapter
-    from hpcserve.modelcache.registry import Registry
+    from hpcserve.modelcache.registry import Registry, RegistryError
 
     with Registry(Path(config.registry_path())) as registry:
+        base = registry.version(pool.model_ref).ref if pool.model_ref else ""
+        for name in pool.lora_adapters:
+            bound = registry.adapter(name).base_ref
+            if base and bound != base:
+                raise RegistryError(
+                    f"pool {pool.name}: adapter {name} is bound to {bound}, the pool serves {base}"
+                )
         adapters = [
             StaticAdapter(
                 name, registry.adapter(name).path, registry.adapter_manifest(name).encode().decode()
@@ -141,7 +149,11 @@ def build_job_spec(
         account=config.slurm.account,
         qos=config.slurm.qos,
         output=str(job_log_dir(config) / "%x-%j.out"),
-        engine_args=(*model.engine_args, *pool.engine_args),
+        engine_args=(
+            *model.engine_args,
+            *pool.engine_args,
+            *scheduling_args(pool.scheduling_policy, (*model.engine_args, *pool.engine_args)),
+        ),
         env=_job_env(pool, model) + _health_env(config) + _curve_env(config),
     )
 

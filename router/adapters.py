@@ -1,23 +1,29 @@
 """LoRA adapters in routing: send an adapter's requests to replicas that have it loaded, and
 load it on demand when none has.
 
-A request names an adapter as its `model`. The replicas that may serve it run its base model
-with LoRA on (they registered `max_adapters` > 0 and a `base_model` equal to the adapter's
-base in the model registry). Among those:
+A request names an adapter as its `model`. The replicas that may serve it run the base-model
+version the adapter is bound to in the model registry (their `model_ref`, e.g. `llama-8b@2`)
+with LoRA on (`max_adapters` > 0). Among those:
 
 1. Replicas that report the adapter loaded are the candidates; the usual policy picks one.
 2. If none has it, the least-loaded eligible replica is told to load it (LoadAdapter on the
    registry socket, answered by AdapterLoaded); when that replica already holds
-   `max_adapters`, its least recently routed adapter is unloaded first. Until the answer
+   `max_adapters`, its least recently routed adapter with no request in flight there is
+   unloaded first (a replica whose adapters are all busy takes no load; when every
+   replica is so, the request is answered `adapter_loading`, to ask again once requests
+   end). Until the answer
    comes the request is answered `adapter_loading` and the gateway asks again (bounded by
    its own wait), so the router never holds a reply open. A load that fails, or that is not
    answered within `load_timeout_s`, is reported once as `adapter_load_failed`; the next
    request tries again.
 
 What is loaded comes from the engines (Register, Heartbeat, AdapterLoaded): the router's
-picture follows theirs. Which adapters exist, and for which base model, comes from the
-model registry (`AdapterCatalog`), re-read at most every `refresh_s`, so an adapter added
-with `hpcserve models add --lora-base` is servable without a restart.
+picture follows theirs. Requests in flight per adapter and replica are counted here: +1 when
+routed, -1 when the gateway's Release names the adapter, and all cleared when the replica
+has no routed request left (so a Release that names no model cannot leave a count behind).
+Which adapters exist, and for which base version, comes from the model registry
+(`AdapterCatalog`), re-read at most every `refresh_s`, so an adapter added with
+`hpcserve models add --lora-base` is servable without a restart.
 """
 
 from __future__ import annotations
@@ -46,6 +52,13 @@ class AdapterSource:
     base_model: str
     source: str
     manifest: bytes  # its digest manifest, JSON
+    base_version: int = 0  # the base version it is bound to; 0: any (no version known)
+
+    def fits(self, base_model: str, base_ref: str) -> bool:
+        """May a replica of `base_model`, serving registry version `base_ref`, load it?"""
+        if self.base_version:
+            return base_ref == f"{self.base_model}@{self.base_version}"
+        return base_model == self.base_model
 
 
 class AdapterCatalog:
@@ -80,7 +93,11 @@ class AdapterCatalog:
             with Registry(Path(path)) as registry:
                 return [
                     AdapterSource(
-                        a.name, a.base_model, a.path, registry.adapter_manifest(a.name).encode()
+                        a.name,
+                        a.base_model,
+                        a.path,
+                        registry.adapter_manifest(a.name).encode(),
+                        a.base_version,
                     )
                     for a in registry.adapters()
                 ]
@@ -119,8 +136,13 @@ class _ReplicaAdapters:
     peer: bytes  # the engine agent's identity on the registry socket
     base_model: str
     max_adapters: int
+    base_ref: str = ""  # the registry version it serves (name@version), "" if unknown
     loaded: dict[str, float] = field(default_factory=dict)  # adapter -> last routed at
     loading: dict[str, float] = field(default_factory=dict)  # adapter -> deadline
+    in_flight: dict[str, int] = field(default_factory=dict)  # adapter -> routed, unreleased
+
+    def serves(self, source: AdapterSource) -> bool:
+        return source.fits(self.base_model, self.base_ref)
 
 
 @dataclass(frozen=True)
@@ -156,10 +178,13 @@ class AdapterRouter:
             return
         now = self._clock()
         old = self._replicas.get(msg.replica_id)
-        state = _ReplicaAdapters(peer, msg.base_model or msg.model, msg.max_adapters)
+        state = _ReplicaAdapters(
+            peer, msg.base_model or msg.model, msg.max_adapters, base_ref=msg.model_ref
+        )
         state.loaded = {a: (old.loaded.get(a, 0.0) if old else 0.0) for a in msg.adapters}
         if old is not None:
             state.loading = {a: d for a, d in old.loading.items() if d > now}
+            state.in_flight = old.in_flight
         self._replicas[msg.replica_id] = state
 
     def on_heartbeat(self, msg: p.Heartbeat, peer: bytes) -> None:
@@ -206,16 +231,14 @@ class AdapterRouter:
         holders = [
             live_by_id[rid]
             for rid, s in self._replicas.items()
-            if adapter in s.loaded and rid in routable
+            if adapter in s.loaded and rid in routable and (source is None or s.serves(source))
         ]
         if holders:
             return AdapterDecision(candidates=holders)
         if source is None:
             return AdapterDecision(error=NO_REPLICA)
         eligible = [
-            rid
-            for rid, s in self._replicas.items()
-            if s.base_model == source.base_model and rid in routable
+            rid for rid, s in self._replicas.items() if s.serves(source) and rid in routable
         ]
         if not eligible:
             return AdapterDecision(error=NO_REPLICA)
@@ -230,9 +253,16 @@ class AdapterRouter:
         failed = self._failed.pop(adapter, None)
         if failed is not None:
             return AdapterDecision(error=LOAD_FAILED)
-        target = min(eligible, key=lambda rid: self._load_key(live_by_id[rid], rid))
+        victims = {
+            rid: v for rid in eligible if (v := self._lru_victims(self._replicas[rid])) is not None
+        }
+        if not victims:
+            # Every eligible replica is full of adapters with requests in flight: ask again
+            # once some end (the gateway's wait bounds this).
+            return AdapterDecision(error=LOADING)
+        target = min(victims, key=lambda rid: self._load_key(live_by_id[rid], rid))
         state = self._replicas[target]
-        unload = self._lru_victims(state)
+        unload = victims[target]
         state.loading[adapter] = now + self.load_timeout_s
         for victim in unload:
             state.loaded.pop(victim, None)
@@ -246,28 +276,52 @@ class AdapterRouter:
         return AdapterDecision(load=load, peer=state.peer, error=LOADING)
 
     def routed(self, replica_id: str, adapter: str) -> None:
-        """A request for `adapter` went to `replica_id` (recency for the LRU choice)."""
+        """A request for `adapter` went to `replica_id`: in flight there until released
+        (and recency for the LRU choice)."""
         state = self._replicas.get(replica_id)
-        if state is not None and adapter in state.loaded:
+        if state is None:
+            return
+        state.in_flight[adapter] = state.in_flight.get(adapter, 0) + 1
+        if adapter in state.loaded:
             state.loaded[adapter] = self._clock()
+
+    def released(self, replica_id: str, model: str, *, idle: bool) -> None:
+        """A request routed to `replica_id` ended. `model`: what it asked for ("" when the
+        gateway did not say); `idle`: the replica has no routed request left."""
+        state = self._replicas.get(replica_id)
+        if state is None:
+            return
+        if idle:
+            state.in_flight.clear()
+            return
+        left = state.in_flight.get(model, 0) - 1
+        if left > 0:
+            state.in_flight[model] = left
+        else:
+            state.in_flight.pop(model, None)
+
+    def in_flight(self, replica_id: str, adapter: str) -> int:
+        state = self._replicas.get(replica_id)
+        return state.in_flight.get(adapter, 0) if state is not None else 0
 
     def listing(self, live: Iterable[Replica]) -> list[p.ModelInfo]:
         """Every adapter a live replica has loaded or could load, as models with a parent."""
-        models_by_base: dict[str, str] = {}
         counts: dict[str, int] = {}
         parents: dict[str, str] = {}
+        states = []
         for replica in live:
             state = self._replicas.get(replica.replica_id)
             if state is None:
                 continue
-            models_by_base.setdefault(state.base_model, replica.model)
+            states.append((state, replica.model))
             for adapter in state.loaded:
                 counts[adapter] = counts.get(adapter, 0) + 1
                 parents.setdefault(adapter, replica.model)
         for source in self.catalog.all():
-            if source.base_model in models_by_base:
+            served_as = next((model for state, model in states if state.serves(source)), None)
+            if served_as is not None:
                 counts.setdefault(source.name, 0)
-                parents.setdefault(source.name, models_by_base[source.base_model])
+                parents.setdefault(source.name, served_as)
         return [p.ModelInfo(id=a, replicas=counts[a], parent=parents[a]) for a in sorted(counts)]
 
     def _load_key(self, replica: Replica, rid: str) -> tuple[int, int, str]:
@@ -276,12 +330,16 @@ class AdapterRouter:
         return (replica.queued, int(full), rid)
 
     @staticmethod
-    def _lru_victims(state: _ReplicaAdapters) -> list[str]:
+    def _lru_victims(state: _ReplicaAdapters) -> list[str] | None:
+        """The adapters to unload to make room for one more, least recently routed first,
+        never one with a request in flight; None when the replica cannot make room now."""
         excess = len(state.loaded) + len(state.loading) + 1 - state.max_adapters
         if excess <= 0:
             return []
-        by_age = sorted(state.loaded, key=lambda a: (state.loaded[a], a))
-        return by_age[:excess]
+        idle = [a for a in state.loaded if not state.in_flight.get(a)]
+        if len(idle) < excess:
+            return None
+        return sorted(idle, key=lambda a: (state.loaded[a], a))[:excess]
 
     @staticmethod
     def _set_loaded(state: _ReplicaAdapters, names: Iterable[str]) -> None:

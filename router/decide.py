@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter
@@ -56,6 +57,16 @@ class Decider:
             ["model"],
             registry=prom,
         )
+        self._model_counters: dict[str, tuple[Any, Any]] = {}
+        self._held_at: dict[int, float] = {}
+
+    def _counters(self, model: str) -> tuple[Any, Any]:
+        """The two per-model counters (labels() costs a lock and a dict build per call)."""
+        pair = self._model_counters.get(model)
+        if pair is None:
+            pair = (self.prompt_tokens.labels(model), self.cached_tokens_routed.labels(model))
+            self._model_counters[model] = pair
+        return pair
 
     # --- membership -----------------------------------------------------------------
     def replica_added(self, replica: Replica) -> None:
@@ -93,18 +104,22 @@ class Decider:
         """Prompt tokens the rows hold in their KV cache; None when no row holds any."""
         if not request.block_hashes or request.block_size <= 0:
             return None
+        slots, depths = self.index.match_slots(request.block_hashes)
+        if not slots:
+            return None
         rows: list[int] = []
         tokens: list[int] = []
-        get = self.registry.get
-        for replica_id, depth in self.index.match(request.block_hashes).items():
-            replica = get(replica_id)
-            if replica is None or replica.model != request.model or replica.row < 0:
+        get, index = self.registry.get, self.index
+        model, block_size = request.model, request.block_size
+        for slot, depth in zip(slots, depths, strict=True):
+            replica = get(index.replica_of(slot))  # type: ignore[arg-type]
+            if replica is None or replica.model != model or replica.row < 0:
                 continue
-            size = self.index.block_size(replica_id) or replica.spec.block_size
-            if size and size != request.block_size:
+            size = index.slot_block_size(slot) or replica.spec.block_size
+            if size and size != block_size:
                 continue  # hashes of another block size cannot match
             rows.append(replica.row)
-            tokens.append(depth * request.block_size)
+            tokens.append(depth * block_size)
         if not rows:
             return None
         return Cached(np.array(rows, np.int64), np.array(tokens, np.int64))
@@ -122,6 +137,18 @@ class Decider:
         if mine > floor + self.config.overload_abs and mine > self.config.overload_rel * floor:
             return None  # affinity never outweighs a queue
         return replica
+
+    HELD_REFRESH_S = 0.05
+
+    def _refresh_held(self, table: ReplicaTable, now: float) -> None:
+        """Each replica's KV-cache contents in tokens, from the index (at most every 50 ms:
+        one dict lookup per replica)."""
+        if now - self._held_at.get(id(table), -1.0) < self.HELD_REFRESH_S:
+            return
+        self._held_at[id(table)] = now
+        for replica in table.replicas:
+            size = self.index.block_size(replica.replica_id) or replica.spec.block_size
+            table.held_tokens[replica.row] = self.index.blocks(replica.replica_id) * size
 
     def pick(
         self, msg: p.Route, now: float, candidates: Sequence[Replica] | None = None
@@ -142,6 +169,10 @@ class Decider:
         request = self.request_of(msg, model)
         replica = self._sticky(request, table, now, allowed) if request.session_key else None
         if replica is None:
+            if self.policy.uses_prefix and (
+                self.config.kv_capacity_tokens or table.kv_capacity.any()
+            ):
+                self._refresh_held(table, now)
             cached = self.cached_tokens(request, table) if self.policy.uses_prefix else None
             replica = self.policy.pick(RouteContext(request, table, cached, allowed))
         else:
@@ -150,9 +181,11 @@ class Decider:
             return None
         if request.block_hashes:
             hit = cached.at(replica.row) if cached is not None else 0
-            self.prompt_tokens.labels(request.model).inc(request.prompt_tokens)
-            self.cached_tokens_routed.labels(request.model).inc(hit)
+            prompt_counter, cached_counter = self._counters(request.model)
+            prompt_counter.inc(request.prompt_tokens)
+            cached_counter.inc(hit)
         self.registry.routed(replica, request.prompt_tokens)
+        table.note_routed(replica.row)
         if request.block_hashes:
             if self._has_events(replica.replica_id):
                 self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]

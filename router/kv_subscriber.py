@@ -41,6 +41,11 @@ class SubscriberMetrics:
         self.blocks = Counter(
             "hpcserve_router_kv_blocks_stored_total", "Blocks stored by events", registry=registry
         )
+        self.removed = Counter(
+            "hpcserve_router_kv_blocks_removed_total",
+            "Blocks removed by events (the engine evicted them)",
+            registry=registry,
+        )
         self.gaps = Counter(
             "hpcserve_router_kv_gaps_total", "Sequence gaps seen (replay asked)", registry=registry
         )
@@ -183,6 +188,9 @@ class KvEventSubscriber:
         self.index.apply(stream.replica_id, batch.events)
         self.metrics.blocks.inc(
             sum(len(e.block_hashes) for e in batch.events if isinstance(e, kw.BlockStored))
+        )
+        self.metrics.removed.inc(
+            sum(len(e.block_hashes) for e in batch.events if isinstance(e, kw.BlockRemoved))
         )
         stream.last_event_at = self._clock()
         stream.prompt_sent_at = None

@@ -175,6 +175,43 @@ class PrefixIndex:
             alive ^= low
         return depths
 
+    def match_slots(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Like `match`, by slot: (slots, matched depth of each); the decision's hot path."""
+        slots: list[int] = []
+        depths: list[int] = []
+        if not hashes:
+            return slots, depths
+        holders = self._holders
+        alive = holders.get(hashes[0], 0)
+        if not alive:
+            return slots, depths
+        depth = 1
+        for h in hashes[1:]:
+            still = alive & holders.get(h, 0)
+            if still != alive:
+                lost = alive & ~still
+                while lost:
+                    low = lost & -lost
+                    slots.append(low.bit_length() - 1)
+                    depths.append(depth)
+                    lost ^= low
+                alive = still
+                if not alive:
+                    return slots, depths
+            depth += 1
+        while alive:
+            low = alive & -alive
+            slots.append(low.bit_length() - 1)
+            depths.append(depth)
+            alive ^= low
+        return slots, depths
+
+    def replica_of(self, slot: int) -> str | None:
+        return self._ids[slot]
+
+    def slot_block_size(self, slot: int) -> int:
+        return self._block_size[slot]
+
     def block_size(self, replica_id: str) -> int:
         """The block size seen in the replica's events (0: none seen yet)."""
         slot = self._slot_of.get(replica_id)

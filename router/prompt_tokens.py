@@ -109,11 +109,13 @@ class PromptTokenizer:
 
     def chat_tokens(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
         text = self.render_chat(messages, **extra)
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL (encode does not): the gateway tokenizes long
+        # prompts on threads beside its event loop (gateway/app.py prefix_hints).
+        return self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def prompt_tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+            return self.tokenizer.encode_batch([prompt], add_special_tokens=True)[0].ids
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
         raise ValueError("prompt is neither a string nor a list of token ids")
@@ -213,7 +215,28 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
             continue
         hints.add_model(pool.model, tokenizer, size)
         log.info("pool %s: prefix-aware routing with %d-token blocks", pool.name, size)
+        if pool.max_loras:
+            # A request naming an adapter is hashed from the adapter's chain seed, as the
+            # router hashes BlockStored events that carry its lora_name.
+            bases = {pool.model, pool.model_ref.partition("@")[0]} - {""}
+            for adapter in [*pool.lora_adapters, *registry_adapters(config, bases)]:
+                hints.add_adapter(adapter, pool.model)
     return hints
+
+
+def registry_adapters(config: PlatformConfig, bases: set[str]) -> list[str]:
+    """The model registry's LoRA adapters for any of `bases` (none without a registry)."""
+    path = Path(config.registry_path())
+    if not path.exists():
+        return []
+    from hpcserve.modelcache.registry import Registry
+
+    try:
+        with Registry(path) as registry:
+            return [a.name for a in registry.adapters() if a.base_model in bases]
+    except Exception as err:  # prefix hints are an optimisation: never stop the gateway
+        log.warning("no prefix-aware routing for adapters (registry %s: %s)", path, err)
+        return []
 
 
 def _registered_source(config: PlatformConfig, ref: str) -> tuple[str, list[str]]:

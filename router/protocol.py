@@ -25,6 +25,9 @@ class ReplicaLoad(msgspec.Struct, frozen=True):
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    # The KV cache's size in tokens (vLLM's num_gpu_blocks x block_size; 0: unknown), so
+    # the router places new contexts by the room each replica has (policies/scorers.py).
+    kv_capacity_tokens: int = 0
 
 
 class Register(msgspec.Struct, frozen=True, tag="register"):
@@ -117,6 +120,15 @@ class Route(msgspec.Struct, frozen=True, tag="route"):
     exclude: list[str] = []
     # Releases folded into this Route (one send instead of two; see Release).
     released: list[str] = []
+    # Overflow (router/queue_wait.py): > 0 when the gateway may send the request elsewhere;
+    # the router then answers error "over_queue_budget" rather than queue it longer.
+    queue_budget_s: float = 0.0
+    # Keeps a user on one version of a canary alias (after session_key): the request's
+    # OpenAI `user`, or its x-session-id when the gateway sends no session_key.
+    user: str = ""
+    # The `model` each of `released` asked for, in the same order ("": not said); the
+    # router counts requests in flight per LoRA adapter (router/adapters.py).
+    released_models: list[str] = []
 
 
 class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
@@ -125,12 +137,18 @@ class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
     url: str = ""
     # Empty replica_id means no replica; error says why ("unknown_model", "no_replica").
     error: str = ""
+    # The name the replica serves the request under when the request named an alias
+    # (router/aliases.py): the gateway puts it in the body it forwards. Empty: unchanged.
+    model: str = ""
+    # error "over_queue_budget": the shortest queue wait the router estimated, seconds.
+    queue_wait_s: float = 0.0
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """A routed request finished; the router's in-flight count for the replica drops."""
 
     replica_id: str
+    model: str = ""  # what the request asked for ("": not said)
 
 
 class ListModels(msgspec.Struct, frozen=True, tag="list_models"):
@@ -142,6 +160,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
     replicas: int
     created: int = 0
     parent: str = ""  # a LoRA adapter: the model it runs on
+    alias_of: str = ""  # an alias: the registry version it routes to (name@version)
 
 
 class ModelList(msgspec.Struct, frozen=True, tag="model_list"):
@@ -173,6 +192,14 @@ class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
     replicas: list[ReplicaInfo] = []
 
 
+class UsageSlot(msgspec.Struct, frozen=True):
+    """One second of a gateway's window: how long ago it was, and what it used."""
+
+    age_s: float
+    requests: int = 0
+    tokens: int = 0
+
+
 class TenantUsage(msgspec.Struct, frozen=True):
     """One tenant's usage on one gateway since its last report; in_flight is absolute."""
 
@@ -180,6 +207,9 @@ class TenantUsage(msgspec.Struct, frozen=True):
     requests: int = 0
     tokens: int = 0
     in_flight: int = 0
+    # Sent instead of deltas after the router's epoch changed (it restarted): this gateway's
+    # whole one-minute window, which replaces what the router's book holds for it.
+    window: list[UsageSlot] | None = None
 
 
 class QuotaReport(msgspec.Struct, frozen=True, tag="quota_report"):
@@ -204,6 +234,9 @@ class TenantTotals(msgspec.Struct, frozen=True):
 class QuotaTotals(msgspec.Struct, frozen=True, tag="quota_totals"):
     request_id: int
     tenants: list[TenantTotals] = []
+    # The quota book's epoch, new at every router start: a gateway that sees it change
+    # re-sends its whole window (TenantUsage.window), so a restart forgets nothing.
+    epoch: str = ""
 
 
 class HealthFinding(msgspec.Struct, frozen=True):

@@ -10,11 +10,18 @@ Failure mode: a limit can be exceeded by what the other gateways admitted since
 their last report (at most one sync interval of their traffic). A gateway that
 stops reporting keeps its requests and tokens in the window (they happened) but
 its in-flight count is dropped after `stale_after_s`.
+
+A router restart: the book lives in memory only, under an `epoch` drawn at start and
+sent with every `QuotaTotals`. A gateway that sees the epoch change sends its whole
+window once (`TenantUsage.window`, per second: how long ago, requests, tokens), which
+replaces what the new book holds for it, so every gateway's last minute is back within
+one sync interval. Usage of a gateway that died before the router came back is lost.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 from collections import deque
 
 from hpcserve.router import protocol as p
@@ -35,9 +42,11 @@ class Window:
     def add(self, now: float, requests: int, tokens: int) -> None:
         if not requests and not tokens:
             return
-        second = int(now)
         self.expire(now)
-        if self._slots and self._slots[-1][0] == second:
+        self._add_at(int(now), requests, tokens)
+
+    def _add_at(self, second: int, requests: int, tokens: int) -> None:
+        if self._slots and self._slots[-1][0] >= second:
             slot = self._slots[-1]
             slot[1] += requests
             slot[2] += tokens
@@ -52,6 +61,21 @@ class Window:
             _, requests, tokens = self._slots.popleft()
             self.requests -= requests
             self.tokens -= tokens
+
+    def ages(self, now: float) -> list[p.UsageSlot]:
+        """The window as it is now: per second, how long ago (oldest first) and its usage."""
+        self.expire(now)
+        return [p.UsageSlot(round(now - second, 3), r, t) for second, r, t in self._slots]
+
+    @classmethod
+    def restored(cls, now: float, slots: list[p.UsageSlot]) -> Window:
+        """A window holding `slots` (another clock's `ages`) at their ages from `now`."""
+        window = cls()
+        for slot in sorted(slots, key=lambda s: -s.age_s):
+            second = int(now - max(slot.age_s, 0.0))
+            window._add_at(second, slot.requests, slot.tokens)
+        window.expire(now)
+        return window
 
     def frees_in_s(self, now: float) -> float:
         """Seconds until the oldest usage in the window leaves it (0 when empty)."""
@@ -71,8 +95,9 @@ class _GatewayTenant:
 
 
 class QuotaBook:
-    def __init__(self, stale_after_s: float = 5.0) -> None:
+    def __init__(self, stale_after_s: float = 5.0, epoch: str = "") -> None:
         self.stale_after_s = stale_after_s
+        self.epoch = epoch or uuid.uuid4().hex[:16]
         self._by_tenant: dict[str, dict[str, _GatewayTenant]] = {}
 
     def report(self, msg: p.QuotaReport, now: float) -> p.QuotaTotals:
@@ -81,10 +106,13 @@ class QuotaBook:
             entry = gateways.get(msg.gateway_id)
             if entry is None:
                 entry = gateways[msg.gateway_id] = _GatewayTenant()
-            entry.window.add(now, usage.requests, usage.tokens)
+            if usage.window is not None:
+                entry.window = Window.restored(now, usage.window)
+            else:
+                entry.window.add(now, usage.requests, usage.tokens)
             entry.in_flight = usage.in_flight
             entry.seen = now
-        return p.QuotaTotals(msg.request_id, self.others(msg.gateway_id, now))
+        return p.QuotaTotals(msg.request_id, self.others(msg.gateway_id, now), self.epoch)
 
     def others(self, gateway_id: str, now: float) -> list[p.TenantTotals]:
         totals = []

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
+from hpcserve.router import queue_wait
 from hpcserve.router.protocol import Register, ReplicaInfo, ReplicaLoad
 from hpcserve.router.replica_table import ReplicaTable
 
@@ -32,6 +33,8 @@ class Replica:
     routable: bool = True
     # Its row in its model's ReplicaTable (the policies' vectors).
     row: int = -1
+    # Service rate and batch size: its queue wait, for overflow (router/queue_wait.py).
+    service: queue_wait.ServiceTracker = field(default_factory=queue_wait.ServiceTracker)
 
     @property
     def replica_id(self) -> str:
@@ -80,6 +83,9 @@ class Registry:
         # Called with each replica added, and each replica id removed (any reason).
         self.on_add: list[Callable[[Replica], None]] = []
         self.on_remove: list[Callable[[str], None]] = []
+        # Completion timing for queue waits (router/queue_wait.py), turned on by the first
+        # request with a queue budget: a router without overflow traffic pays nothing.
+        self.track_service = False
 
     def __len__(self) -> int:
         return len(self._replicas)
@@ -97,9 +103,11 @@ class Registry:
         return self._tables.get(model)
 
     def routed(self, replica: Replica, prompt_tokens: int = 0) -> None:
+        if self.track_service and not replica.in_flight:
+            replica.service.started(queue_wait.clock())
         replica.in_flight += 1
         replica.active_tokens += prompt_tokens
-        self._tables[replica.model].update(replica)
+        self._tables[replica.model].count(replica)
 
     def released(self, replica_id: str) -> None:
         """A routed request finished. Release does not say which one, so the replica's
@@ -109,9 +117,11 @@ class Registry:
             return
         replica.active_tokens -= replica.active_tokens // replica.in_flight
         replica.in_flight -= 1
+        if self.track_service:
+            replica.service.finished(queue_wait.clock(), replica.in_flight > 0)
         if not replica.in_flight:
             replica.active_tokens = 0
-        self._tables[replica.model].update(replica)
+        self._tables[replica.model].count(replica)
 
     def set_routable(self, replica_id: str, routable: bool) -> bool:
         """Take a registered replica out of routing (or back); False when unknown."""
@@ -133,11 +143,13 @@ class Registry:
             old.spec = msg
             old.last_seen = now
             old.load = msg.load
+            old.service.observed(msg.load)
             self._tables[old.model].update(old)
             return old
         if old is not None:
             self._remove(old)
         replica = Replica(spec=msg, registered_at=now, last_seen=now, load=msg.load)
+        replica.service.observed(msg.load)
         self._replicas[msg.replica_id] = replica
         self._by_model.setdefault(msg.model, []).append(replica)
         self._tables.setdefault(msg.model, ReplicaTable()).add(replica)
@@ -160,6 +172,7 @@ class Registry:
             return False
         replica.last_seen = now
         replica.load = load
+        replica.service.observed(load)
         self._tables[replica.model].update(replica)
         return True
 

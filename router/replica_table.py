@@ -27,6 +27,14 @@ class ReplicaTable:
         # Derived: in_flight + waiting, and KV usage clipped to [0, 1].
         self.load = np.zeros(0, np.float64)
         self.kv_fill = np.zeros(0, np.float64)
+        # Each replica's share of the model's recent requests (an exponential moving average
+        # over about SHARE_WINDOW decisions; policies/scorers.py's share gate reads it).
+        self.recent_share = np.zeros(0, np.float64)
+        # Tokens each replica holds in its KV cache by its own events (the prefix index's
+        # blocks x block size), refreshed by the Decider; policies/scorers.py's KvPressure.
+        self.held_tokens = np.zeros(0, np.float64)
+        # Each replica's KV capacity in tokens as its engine reports it (0: unknown).
+        self.kv_capacity = np.zeros(0, np.float64)
         self.unroutable = 0  # how many rows have routable False (filters skip work when 0)
 
     def __len__(self) -> int:
@@ -41,7 +49,11 @@ class ReplicaTable:
         "routable",
         "load",
         "kv_fill",
+        "recent_share",
+        "held_tokens",
+        "kv_capacity",
     )
+    SHARE_WINDOW = 32
 
     def add(self, replica: Replica) -> None:
         replica.row = len(self.replicas)
@@ -67,6 +79,19 @@ class ReplicaTable:
         moved.row = row if moved is not replica else -1
         replica.row = -1
 
+    def count(self, replica: Replica) -> None:
+        """Only the in-flight count and routed tokens changed (a route or a release)."""
+        row = replica.row
+        self.in_flight[row] = replica.in_flight
+        self.active_tokens[row] = replica.active_tokens
+        self.load[row] = replica.in_flight + replica.load.waiting
+
+    def note_routed(self, row: int) -> None:
+        """A request went to `row`: decay every replica's recent share, add to this one's."""
+        share = self.recent_share
+        share *= 1.0 - 1.0 / self.SHARE_WINDOW
+        share[row] += 1.0 / self.SHARE_WINDOW
+
     def update(self, replica: Replica) -> None:
         row = replica.row
         self.in_flight[row] = replica.in_flight
@@ -76,6 +101,7 @@ class ReplicaTable:
         self.active_tokens[row] = replica.active_tokens
         self.load[row] = replica.in_flight + replica.load.waiting
         self.kv_fill[row] = min(max(replica.load.kv_usage, 0.0), 1.0)
+        self.kv_capacity[row] = replica.load.kv_capacity_tokens
         if bool(self.routable[row]) != replica.routable:
             self.unroutable += -1 if replica.routable else 1
             self.routable[row] = replica.routable

@@ -23,10 +23,12 @@ from hpcserve.health.event_log import HealthEventLog
 from hpcserve.health.policy import severity, worst_action
 from hpcserve.router import protocol as p
 from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
+from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.curve import check_plain_bind, make_server, start_authenticator
 from hpcserve.router.decide import Decider
 from hpcserve.router.kv_subscriber import KvEventSubscriber
 from hpcserve.router.prefix_index import PrefixIndex
+from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET, within_budget
 from hpcserve.router.quota_book import QuotaBook
 from hpcserve.router.registry import Registry
 
@@ -50,6 +52,7 @@ class RouterMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.routed = self.routes.labels("routed")  # the hot path's child, looked up once
         self.health_findings = Counter(
             "hpcserve_router_health_findings_total",
             "Health findings engines reported, by check and action",
@@ -84,6 +87,7 @@ class RouterServer:
         clock: Callable[[], float] = time.monotonic,
         context: zmq.Context | None = None,
         adapters: AdapterRouter | None = None,
+        aliases: AliasRouter | None = None,
     ) -> None:
         self.config = config
         self.adapters = adapters or AdapterRouter(AdapterCatalog.empty(), clock=clock)
@@ -111,6 +115,9 @@ class RouterServer:
         )
         self.registry.on_add.append(self.decider.replica_added)
         self.registry.on_remove.append(self.decider.replica_removed)
+        # Registry aliases and canaries (router/aliases.py).
+        self.aliases = aliases or AliasRouter(AliasCatalog.empty())
+        self.aliases.attach(self.registry)
         self._stop = threading.Event()
         self._registry_sock: zmq.Socket | None = None
         self._routing_sock: zmq.Socket | None = None
@@ -124,8 +131,18 @@ class RouterServer:
         check_plain_bind(self.config.registry_bind, curve_dir, self.config.allow_plain_remote)
         if curve_dir:
             self._auth = start_authenticator(self._ctx, Path(curve_dir))
-        self._registry_sock = self._bind(self.config.registry_bind, curve_dir)
-        self._routing_sock = self._bind(self.config.routing_bind)
+        try:
+            self._registry_sock = self._bind(self.config.registry_bind, curve_dir)
+            self._routing_sock = self._bind(self.config.routing_bind)
+        except RuntimeError:
+            # Nothing of this server stays open when it cannot start (a caller may retry).
+            if self._registry_sock is not None:
+                self._registry_sock.close(0)
+                self._registry_sock = None
+            self.kv_events.close()
+            if self._auth is not None:
+                self._auth.stop()
+            raise
         log.info(
             "router listening: registry %s, routing %s",
             self.config.registry_bind,
@@ -157,24 +174,30 @@ class RouterServer:
         poller.register(self._registry_sock, zmq.POLLIN)
         poller.register(self._routing_sock, zmq.POLLIN)
         poller.register(self.kv_events.sub, zmq.POLLIN)
-        tick_ms = int(min(self.config.lease_s / 4, 0.5) * 1000)
+        tick_s = min(self.config.lease_s / 4, 0.5)
+        # Leases, KV-stream timers and gauges need not run on every message: at most this often.
+        housekeeping_s = min(tick_s, 0.05)
+        next_housekeeping = 0.0
         self.ready.set()
         try:
             while not self._stop.is_set():
                 replays = self.kv_events.replay_sockets()
-                events = dict(poller.poll(10 if replays else tick_ms))
+                events = dict(poller.poll(10 if replays else int(tick_s * 1000)))
                 if self.kv_events.sub in events:
                     self.kv_events.drain()
                 for replay in replays:
                     self.kv_events.on_replay(replay)
-                self.kv_events.tick()
                 if self._registry_sock in events:
                     self._drain(self._registry_sock, self._on_registry)
                 if self._routing_sock in events:
-                    self._drain(self._routing_sock, self._on_routing)
-                for _ in self.registry.expire(self._clock()):
-                    self.metrics.lease_expiries.inc()
-                self._publish_gauges()
+                    self._drain_routing(self._routing_sock)
+                now = self._clock()
+                if now >= next_housekeeping or replays:
+                    next_housekeeping = now + housekeeping_s
+                    self.kv_events.tick()
+                    for _ in self.registry.expire(now):
+                        self.metrics.lease_expiries.inc()
+                    self._publish_gauges()
         finally:
             self._registry_sock.close(0)
             self._routing_sock.close(0)
@@ -196,6 +219,21 @@ class RouterServer:
                 ).inc()
                 continue
             handler(sock, frames[0], frames[1])
+
+    def _drain_routing(self, sock: zmq.Socket) -> None:
+        """A gateway sends the messages of one event-loop iteration as the frames of one
+        multipart message ([peer, msg, msg, ...]); the replies go back the same way."""
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                self.metrics.bad_messages.labels("routing").inc()
+                continue
+            replies = [r for r in map(self._on_routing, frames[1:]) if r is not None]
+            if replies:
+                sock.send_multipart([frames[0], *replies], zmq.NOBLOCK)
 
     def _on_registry(self, sock: zmq.Socket, peer: bytes, payload: bytes) -> None:
         try:
@@ -232,20 +270,21 @@ class RouterServer:
                 return
         sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
 
-    def _on_routing(self, sock: zmq.Socket, peer: bytes, payload: bytes) -> None:
+    def _on_routing(self, payload: bytes) -> bytes | None:
+        """One gateway message; its encoded reply (None: it has none)."""
         try:
             msg = p.routing_message_decoder.decode(payload)
         except msgspec.DecodeError as err:
             self.metrics.bad_messages.labels("routing").inc()
             log.warning("undecodable routing message dropped: %s", err)
-            return
+            return None
         reply: p.RoutingReply
         match msg:
             case p.Route():
                 reply = self.route(msg)
             case p.Release():
-                self.registry.released(msg.replica_id)
-                return
+                self._released(msg.replica_id, msg.model)
+                return None
             case p.ListModels():
                 reply = p.ModelList(
                     msg.request_id,
@@ -253,7 +292,8 @@ class RouterServer:
                         p.ModelInfo(id=m, replicas=n)
                         for m, n in sorted(self.registry.models().items())
                     ]
-                    + self.adapters.listing(self.registry),
+                    + self.adapters.listing(self.registry)
+                    + self.aliases.listing(self.registry),
                 )
             case p.ListReplicas():
                 now = self._clock()
@@ -263,7 +303,7 @@ class RouterServer:
             case p.ListHealthEvents():
                 events = self.health_log.since(msg.epoch, msg.ack_seq)
                 reply = p.HealthEvents(msg.request_id, self.health_log.epoch, events)
-        sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
+        return p.encode(reply)
 
     def _on_health_report(self, msg: p.HealthReport) -> p.RegistryReply:
         """Record the findings for the pool manager; stop routing to the replica at once
@@ -280,11 +320,24 @@ class RouterServer:
         self.adapters.forget(msg.replica_id)
         return p.RegistryAck(msg.replica_id, 0.0)
 
+    def _released(self, replica_id: str, model: str) -> None:
+        self.registry.released(replica_id)
+        replica = self.registry.get(replica_id)
+        self.adapters.released(replica_id, model, idle=replica is None or not replica.in_flight)
+
     def route(self, msg: p.Route) -> p.RouteReply:
-        for replica_id in msg.released:
-            self.registry.released(replica_id)
+        for i, replica_id in enumerate(msg.released):
+            model = msg.released_models[i] if i < len(msg.released_models) else ""
+            self._released(replica_id, model)
         started = time.perf_counter()
         candidates = self.registry.for_model(msg.model)
+        served_as = ""
+        if not candidates and (alias := self.aliases.resolve(msg, self.registry)) is not None:
+            if alias.candidates is None:
+                self.metrics.routes.labels(alias.error).inc()
+                return p.RouteReply(msg.request_id, error=alias.error)
+            served_as, candidates = alias.model, alias.candidates
+            msg = msgspec.structs.replace(msg, model=served_as)
         adapter = not candidates and self.adapters.is_adapter(msg.model)
         if adapter:
             decision = self.adapters.route(msg.model, self.registry)
@@ -298,6 +351,14 @@ class RouterServer:
             candidates = list(decision.candidates)
         if msg.exclude:
             candidates = [r for r in candidates if r.replica_id not in msg.exclude]
+        if msg.queue_budget_s > 0 and candidates:
+            self.registry.track_service = True
+            candidates, wait_s = within_budget(candidates, msg.queue_budget_s)
+            if not candidates:
+                self.metrics.routes.labels(OVER_QUEUE_BUDGET).inc()
+                return p.RouteReply(
+                    msg.request_id, error=OVER_QUEUE_BUDGET, queue_wait_s=round(wait_s, 3)
+                )
         replica = self.decider.pick(msg, self._clock(), candidates)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if replica is None:
@@ -305,8 +366,8 @@ class RouterServer:
             return p.RouteReply(msg.request_id, error="no_replica")
         if adapter:
             self.adapters.routed(replica.replica_id, msg.model)
-        self.metrics.routes.labels("routed").inc()
-        return p.RouteReply(msg.request_id, replica.replica_id, replica.spec.url)
+        self.metrics.routed.inc()
+        return p.RouteReply(msg.request_id, replica.replica_id, replica.spec.url, model=served_as)
 
     def _publish_gauges(self) -> None:
         models = self.registry.models()

@@ -143,8 +143,9 @@ class SimEngine:
             kv_usage=self.kv.usage,
         )
 
-    def submit(self, prompt_ids: list[int], max_tokens: int) -> SimRequest:
-        """Queue a request (ValueError when it can never fit); read it with ``stream``."""
+    def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0) -> SimRequest:
+        """Queue a request (ValueError when it can never fit); read it with ``stream``.
+        ``priority`` (lower first) counts under the priority policy only, as in vLLM."""
         if self._wake is None:
             raise EngineClosed("the engine is not running")
         if max_tokens < 1:
@@ -156,7 +157,9 @@ class SimEngine:
                 f"tokens. However, you requested {len(prompt_ids) + max_tokens} tokens "
                 f"({len(prompt_ids)} in the messages, {max_tokens} in the completion)."
             )
-        req = SimRequest(f"sim-{next(self._ids)}", list(prompt_ids), max_tokens, self.now())
+        req = SimRequest(
+            f"sim-{next(self._ids)}", list(prompt_ids), max_tokens, self.now(), priority=priority
+        )
         self.scheduler.add(req)
         self._streams[req.request_id] = asyncio.Queue()
         self._wake.set()

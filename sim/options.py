@@ -3,9 +3,9 @@
 vLLM flags honoured: --model (the directory whose tokenizer and config.json are used),
 --served-model-name, --host, --port, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --block-size, --num-gpu-blocks-override,
---tensor-parallel-size, --kv-events-config (JSON, as vLLM takes it) and
---shutdown-timeout. Other vLLM flags (--dtype ...) are accepted and ignored, so a pool's
-engine_args work for either engine.
+--tensor-parallel-size, --kv-events-config (JSON, as vLLM takes it), --scheduling-policy
+(fcfs, priority) and --shutdown-timeout. Other vLLM flags (--dtype ...) are accepted and
+ignored, so a pool's engine_args work for either engine.
 
 The simulator's own: --sim-gpu (a GPU of the planner's catalog), --sim-model (a catalog
 model or a config.json; default: the --model directory's config.json, else
@@ -23,7 +23,7 @@ from pathlib import Path
 from hpcserve.planner.errors import PlanError
 from hpcserve.planner.factors import Factors
 from hpcserve.sim.engine import KVEventsConfig, SimConfig
-from hpcserve.sim.scheduler import SchedulerLimits
+from hpcserve.sim.scheduler import POLICIES, SchedulerLimits
 from hpcserve.sim.timing import SimHardware, fixed_hardware, hardware
 
 DEFAULT_SIM_MODEL = "llama-3.1-8b"
@@ -44,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--kv-events-config", default="", help="vLLM's KV-events JSON")
+    parser.add_argument("--scheduling-policy", default="fcfs", help="fcfs or priority")
     parser.add_argument("--sim-gpu", default="h100", help="GPU of the planner's catalog")
     parser.add_argument("--sim-model", default="", help="catalog model or config.json")
     parser.add_argument("--sim-weights-dtype", default="bf16", help="bf16, fp16, fp8, int4")
@@ -113,6 +114,10 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         raise OptionsError("--served-model-name is required")
     if args.time_scale <= 0:
         raise OptionsError(f"--time-scale: must be > 0, got {args.time_scale}")
+    if args.scheduling_policy not in POLICIES:
+        raise OptionsError(
+            f"--scheduling-policy: {args.scheduling_policy!r}; allowed: {', '.join(POLICIES)}"
+        )
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "default_max_tokens"):
         if getattr(args, flag) < 1:
             name = "--" + flag.replace("_", "-")
@@ -129,6 +134,7 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max_model_len,
+            policy=args.scheduling_policy,
         ),
         time_scale=args.time_scale,
         kv_events=kv_events_config(args.kv_events_config),

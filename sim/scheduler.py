@@ -9,6 +9,15 @@ request that started last is preempted: its blocks are freed (they stay cached u
 evicted) and it goes back to the head of the queue, to be recomputed (vLLM's default,
 recompute preemption); no new request is admitted in a step that preempted.
 
+With ``policy="priority"`` (vLLM's ``--scheduling-policy priority``) the waiting queue is
+ordered by (priority, arrival): a lower value is served first, ties first come first
+served, and a preempted request goes back to its place in that order rather than to the
+head. The victim of a preemption is then the running request with the highest
+(priority, arrival), the lowest-priority latest arrival, even if it was already scheduled
+in this step (its tokens go back to the budget). As in vLLM, a waiting request never
+preempts a running one: priority decides who is admitted next and who yields KV blocks,
+not who shares a step. Under ``fcfs`` the priority is ignored.
+
 ``schedule()`` returns a ``StepPlan`` whose ``batch`` is the planner's ``StepBatch``, so a
 ``StepModel`` prices the step; ``complete(plan)`` then advances every request in it and
 samples one token for each request whose known tokens are all computed.
@@ -16,9 +25,11 @@ samples one token for each request whose known tokens are all computed.
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from hpcserve.planner.perfmodel import StepBatch, decode_step, prefill_chunk
@@ -48,6 +59,8 @@ class SimRequest:
     finished_s: float = -1.0
     finish_reason: str = ""
     started: bool = False
+    priority: int = 0  # lower first, under the priority policy
+    order: int = 0  # set by the scheduler: breaks ties of equal arrival times
 
     @property
     def num_tokens(self) -> int:
@@ -76,11 +89,60 @@ class StepPlan:
         return not self.scheduled
 
 
+POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 131072
+    policy: str = "fcfs"  # or "priority": vLLM's --scheduling-policy
+
+
+def _rank(req: SimRequest) -> tuple[int, float, int]:
+    return (req.priority, req.arrival_s, req.order)
+
+
+class WaitingQueue:
+    """Requests waiting to run: arrival order (fcfs), or (priority, arrival) order."""
+
+    def __init__(self, policy: str) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy {policy!r}; allowed: {', '.join(POLICIES)}")
+        self.by_priority = policy == "priority"
+        self._queue: deque[SimRequest] = deque()
+        self._sorted: list[SimRequest] = []
+
+    def add(self, req: SimRequest) -> None:
+        if self.by_priority:
+            bisect.insort(self._sorted, req, key=_rank)
+        else:
+            self._queue.append(req)
+
+    def add_preempted(self, req: SimRequest) -> None:
+        if self.by_priority:
+            self.add(req)
+        else:
+            self._queue.appendleft(req)
+
+    def peek(self) -> SimRequest:
+        return self._sorted[0] if self.by_priority else self._queue[0]
+
+    def pop(self) -> SimRequest:
+        return self._sorted.pop(0) if self.by_priority else self._queue.popleft()
+
+    def remove(self, req: SimRequest) -> None:
+        (self._sorted if self.by_priority else self._queue).remove(req)
+
+    def __contains__(self, req: object) -> bool:
+        return req in (self._sorted if self.by_priority else self._queue)
+
+    def __iter__(self) -> Iterator[SimRequest]:
+        return iter(self._sorted if self.by_priority else self._queue)
+
+    def __len__(self) -> int:
+        return len(self._sorted) if self.by_priority else len(self._queue)
 
 
 class Scheduler:
@@ -93,9 +155,10 @@ class Scheduler:
         self.kv = kv
         self.limits = limits
         self.next_token = next_token
-        self.waiting: deque[SimRequest] = deque()
+        self.waiting = WaitingQueue(limits.policy)
         self.running: list[SimRequest] = []
         self.preemptions = 0
+        self._order = itertools.count()
 
     @property
     def has_work(self) -> bool:
@@ -112,7 +175,8 @@ class Scheduler:
                 f"prompt of {len(request.prompt_ids)} tokens needs more KV blocks than the "
                 f"cache has ({self.kv.num_blocks} of {self.kv.block_size} tokens)"
             )
-        self.waiting.append(request)
+        request.order = next(self._order)
+        self.waiting.add(request)
 
     def abort(self, request: SimRequest, reason: str = "abort") -> None:
         if request.status is Status.FINISHED:
@@ -127,20 +191,25 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: list[Scheduled] = []
         preempted: list[SimRequest] = []
-        batch = StepBatch()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             tokens = min(req.num_tokens - req.num_computed, budget)
             while not self.kv.allocate(req.request_id, req.num_computed + tokens):
-                victim = self.running.pop()
+                victim = self._victim()
+                at = self.running.index(victim)
+                del self.running[at]
+                if at < i:  # already scheduled in this step: its tokens go back
+                    i -= 1
+                    item = next(x for x in scheduled if x.request is victim)
+                    scheduled.remove(item)
+                    budget += item.tokens
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
                 scheduled.append(Scheduled(req, tokens, req.num_computed))
-                batch = batch + self._work(req, tokens)
                 budget -= tokens
                 i += 1
                 continue
@@ -151,7 +220,7 @@ class Scheduler:
             and budget > 0
             and len(self.running) < self.limits.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting.peek()
             if not self.kv.holds(req.request_id):
                 cached = self.kv.lookup(req.request_id, req.all_ids)
                 req.num_computed = cached
@@ -159,16 +228,29 @@ class Scheduler:
                     req.cached_tokens = cached
             tokens = min(req.num_tokens - req.num_computed, budget)
             if not self.kv.allocate(req.request_id, req.num_computed + tokens):
+                # All or nothing, as vLLM allocates: a waiting request that kept the cached
+                # blocks it found could starve the running ones of them (a deadlock).
+                self.kv.free(req.request_id)
+                req.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             req.status = Status.RUNNING
             if not req.started:
                 req.started, req.scheduled_s = True, now_s
             self.running.append(req)
             scheduled.append(Scheduled(req, tokens, req.num_computed))
-            batch = batch + self._work(req, tokens)
             budget -= tokens
+        batch = StepBatch()
+        for item in scheduled:
+            batch = batch + self._work(item.request, item.tokens)
         return StepPlan(scheduled, batch, preempted)
+
+    def _victim(self) -> SimRequest:
+        """The running request to preempt: the last started (fcfs), or the lowest-priority
+        latest arrival (priority)."""
+        if self.waiting.by_priority:
+            return max(self.running, key=_rank)
+        return self.running[-1]
 
     def complete(self, plan: StepPlan, now_s: float) -> list[tuple[SimRequest, int | None]]:
         """Advance the requests of ``plan``; one (request, new token or None) for each."""
@@ -203,7 +285,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     def _finish_running(self, req: SimRequest, reason: str, now_s: float) -> None:
         self.running.remove(req)

@@ -3,7 +3,8 @@
 /health (200, empty), /metrics (vLLM's series), /v1/models, /v1/chat/completions and
 /v1/completions, whole or streamed (SSE; chat's first chunk carries the role;
 ``stream_options.include_usage`` adds a last chunk with ``choices: []`` and the usage),
-/reset_prefix_cache (POST, as vLLM's dev-mode endpoint) and /kv_event_sources. Errors
+/reset_prefix_cache (POST, as vLLM's dev-mode endpoint) and /kv_event_sources. A request's
+priority is the ``X-Vllm-Priority`` header, else the body's ``priority`` (vLLM's order). Errors
 have vLLM's OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
@@ -34,6 +35,20 @@ def _max_tokens(body: dict[str, Any], default: int) -> int:
     value = body.get("max_completion_tokens") or body.get("max_tokens") or default
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"max_tokens must be an integer, got {value!r}")
+    return value
+
+
+PRIORITY_HEADER = "x-vllm-priority"  # vLLM's; wins over the body's `priority`
+
+
+def request_priority(request: Request, body: dict[str, Any]) -> int:
+    header = request.headers.get(PRIORITY_HEADER)
+    if header is not None:
+        with contextlib.suppress(ValueError):
+            return int(header)  # vLLM ignores a header that is not an integer
+    value = body.get("priority", 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"priority must be an integer, got {value!r}")
     return value
 
 
@@ -104,7 +119,7 @@ def build_app(engine: SimEngine, *, lifespan: bool = True) -> Starlette:
                     prompt_ids = engine.tokenizer.prompt_ids(prompt)
                 else:
                     raise ValueError("prompt must be a string or a list of token ids")
-            req = engine.submit(prompt_ids, max_tokens)
+            req = engine.submit(prompt_ids, max_tokens, request_priority(request, body))
         except (ValueError, TokenizerError) as err:
             return error(str(err), 400)
         except EngineClosed as err:
@@ -113,9 +128,13 @@ def build_app(engine: SimEngine, *, lifespan: bool = True) -> Starlette:
         created = int(time.time())
         reply = _Reply(rid, created, model, chat)
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            options = body.get("stream_options") or {}
+            include_usage = bool(options.get("include_usage"))
+            # vLLM's continuous_usage_stats: the usage so far on every event, too.
+            continuous = include_usage and bool(options.get("continuous_usage_stats"))
             return StreamingResponse(
-                reply.stream(engine, req, include_usage), media_type="text/event-stream"
+                reply.stream(engine, req, include_usage, continuous),
+                media_type="text/event-stream",
             )
         text: list[str] = []
         finish = "length"
@@ -191,7 +210,7 @@ class _Reply:
         return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
     async def stream(
-        self, engine: SimEngine, req: Any, include_usage: bool
+        self, engine: SimEngine, req: Any, include_usage: bool, continuous: bool = False
     ) -> AsyncIterator[bytes]:
         if self.chat:
             delta = {"role": "assistant", "content": ""}
@@ -207,7 +226,7 @@ class _Reply:
                     choice["delta"] = {"content": out.text}
                 else:
                     choice["text"] = out.text
-                yield self._chunk([choice])
+                yield self._chunk([choice], **({"usage": self.usage(req)} if continuous else {}))
         except EngineClosed:
             return
         if include_usage:

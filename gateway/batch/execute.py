@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from hpcserve.gateway import errors
+from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.routing_client import RouterUnavailable
 
 if TYPE_CHECKING:
@@ -104,12 +105,16 @@ class GatewayExecutor:
                 return EngineReply(404, _error_body(errors.model_not_found(model)))
             raise NoReplica(f"no replica of {model!r} is serving ({decision.error})")
         replica = decision.replica_id
-        exchange = _Exchange(lambda: routing.release(replica))
+        exchange = _Exchange(lambda: routing.release(replica, model))
         try:
             response = await self.gateway.relay.forward(
                 decision.url + path,
                 body,
-                {"Content-Type": "application/json", "x-request-id": request_id},
+                {
+                    "Content-Type": "application/json",
+                    "x-request-id": request_id,
+                    PRIORITY_HEADER: ENGINE_PRIORITY["batch"],
+                },
                 stream=False,
                 exchange=exchange,
             )

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
@@ -21,7 +21,14 @@ from starlette.routing import Route
 from hpcserve.gateway import errors
 from hpcserve.gateway.batch.objects import batch_object, file_object, list_object
 from hpcserve.gateway.batch.service import BatchService
-from hpcserve.gateway.batch.store import BatchRecord, Conflict, FileRecord, NotFound, new_id
+from hpcserve.gateway.batch.store import (
+    BatchRecord,
+    BatchStore,
+    Conflict,
+    FileRecord,
+    NotFound,
+    new_id,
+)
 from hpcserve.gateway.batch.validate import (
     ENDPOINTS,
     FileSummary,
@@ -32,6 +39,7 @@ from hpcserve.gateway.batch.validate import (
 if TYPE_CHECKING:
     from hpcserve.gateway.app import Gateway
 
+T = TypeVar("T")
 Handler = Callable[["Gateway", Request], Awaitable[Response]]
 Wrap = Callable[["Gateway", str, Handler], Callable[[Request], Awaitable[Response]]]
 
@@ -174,16 +182,28 @@ async def list_files(gateway: Gateway, request: Request) -> Response:
     return JSONResponse(list_object(page, file_object))
 
 
-async def _file(gateway: Gateway, request: Request) -> tuple[BatchService, FileRecord]:
+async def _owned(
+    gateway: Gateway,
+    request: Request,
+    param: str,
+    action: Callable[[BatchStore], Callable[[str, str | None], T]],
+) -> tuple[BatchService, T]:
+    """action(store)(the path's id, the caller's scope) in a thread, its NotFound as a 404
+    and its Conflict as a 409: the shape of every handler on one file or batch."""
     service = _service(gateway)
     _, scope = _scope(gateway, request)
     try:
-        record = await asyncio.to_thread(
-            service.store.get_file, request.path_params["file_id"], scope
+        return service, await asyncio.to_thread(
+            action(service.store), request.path_params[param], scope
         )
     except NotFound as err:
         raise _not_found(err) from None
-    return service, record
+    except Conflict as err:
+        raise _conflict(err) from None
+
+
+async def _file(gateway: Gateway, request: Request) -> tuple[BatchService, FileRecord]:
+    return await _owned(gateway, request, "file_id", lambda store: store.get_file)
 
 
 async def retrieve_file(gateway: Gateway, request: Request) -> Response:
@@ -201,14 +221,8 @@ async def file_content(gateway: Gateway, request: Request) -> Response:
 
 
 async def delete_file(gateway: Gateway, request: Request) -> Response:
-    service, record = await _file(gateway, request)
-    try:
-        await asyncio.to_thread(service.store.delete_file, record.id, None)
-    except NotFound as err:
-        raise _not_found(err) from None
-    except Conflict as err:
-        raise _conflict(err) from None
-    return JSONResponse({"id": record.id, "object": "file", "deleted": True})
+    await _owned(gateway, request, "file_id", lambda store: store.delete_file)
+    return JSONResponse({"id": request.path_params["file_id"], "object": "file", "deleted": True})
 
 
 # -- batches -------------------------------------------------------------------------------
@@ -291,28 +305,12 @@ async def list_batches(gateway: Gateway, request: Request) -> Response:
 
 
 async def retrieve_batch(gateway: Gateway, request: Request) -> Response:
-    service = _service(gateway)
-    _, scope = _scope(gateway, request)
-    try:
-        record = await asyncio.to_thread(
-            service.store.get_batch, request.path_params["batch_id"], scope
-        )
-    except NotFound as err:
-        raise _not_found(err) from None
+    _, record = await _owned(gateway, request, "batch_id", lambda store: store.get_batch)
     return JSONResponse(batch_object(record))
 
 
 async def cancel_batch(gateway: Gateway, request: Request) -> Response:
-    service = _service(gateway)
-    _, scope = _scope(gateway, request)
-    try:
-        record = await asyncio.to_thread(
-            service.store.request_cancel, request.path_params["batch_id"], scope
-        )
-    except NotFound as err:
-        raise _not_found(err) from None
-    except Conflict as err:
-        raise _conflict(err) from None
+    service, record = await _owned(gateway, request, "batch_id", lambda store: store.request_cancel)
     service.runner.cancel(record.id)
     return JSONResponse(batch_object(record))
 

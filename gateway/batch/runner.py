@@ -1,8 +1,9 @@
 """Executes batches: every active batch in the store, resumed after any restart.
 
 One task per batch walks its input file, skipping lines that already have a stored
-result, and starts a request per line when its model has a free slot (`PoolSlots`) and
-its tenant has batch tokens left (`TokenRate`). Finished requests go to one committer
+result, and starts a request per line when its model has a free slot (`PoolSlots`, their
+number adapted to the engines' queues) and its tenant has batch tokens left
+(`BatchTokens`, counted across gateways). Finished requests go to one committer
 task, which stores them in group commits; a result counts only once committed. A batch
 ends when every line has a result (completed), or when it is cancelled or its window
 passes (no new requests; those in flight finish; then cancelled or expired, with the
@@ -22,7 +23,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,11 +31,13 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import BatchConfig, TenantConfig
+from hpcserve.gateway.batch.concurrency import ADAPT_S
 from hpcserve.gateway.batch.execute import EngineReply, NoReplica, ReplicaFailed
-from hpcserve.gateway.batch.limiter import TokenRate
-from hpcserve.gateway.batch.slots import ModelSlots, PoolSlots
+from hpcserve.gateway.batch.limiter import BatchTokens
+from hpcserve.gateway.batch.slots import ModelLoad, ModelSlots, PoolSlots
 from hpcserve.gateway.batch.store import ACTIVE, BatchError, BatchRecord, BatchStore, Result
 from hpcserve.gateway.batch.validate import RequestLine, request_line_decoder
+from hpcserve.gateway.quota import QuotaGate
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,12 @@ class BatchMetrics:
         )
         self.active = Gauge(
             "hpcserve_batch_active", "Batches this gateway is running", registry=registry
+        )
+        self.limit = Gauge(
+            "hpcserve_batch_concurrency_per_replica",
+            "Batch requests allowed in flight per replica of a model (adapted to the engines)",
+            ["model"],
+            registry=registry,
         )
 
 
@@ -265,7 +274,7 @@ class BatchJob:
             slots = self.runner.slots.for_model(line.model)
             await self._unless_stopped(slots.acquire)
             try:
-                await self._unless_stopped(self.runner.limiter(record.tenant).admit)
+                await self._unless_stopped(lambda: self.runner.batch_tokens.admit(record.tenant))
             except _Stop:
                 slots.release()
                 raise
@@ -346,7 +355,9 @@ class BatchJob:
                     exclude = [err.replica_id] if err.replica_id else []
                     delay = runner.config.retry_backoff_s * 2 ** (attempts - 1)
                     await self._unless_stopped(lambda d=delay: asyncio.sleep(d))
-            runner.limiter(self.record.tenant).charge(result.input_tokens + result.output_tokens)
+            runner.batch_tokens.charge(
+                self.record.tenant, result.input_tokens + result.output_tokens
+            )
             # The slot is held until the result is stored: answered-but-unstored work (what a
             # crash makes an engine redo) stays within the concurrency bound.
             await runner.committer.record(self.record.id, result)
@@ -420,28 +431,30 @@ class BatchRunner:
         *,
         tenants: dict[str, TenantConfig],
         metrics: BatchMetrics,
-        replica_counts: Callable[[], object] | None = None,
+        model_loads: Callable[[], Awaitable[dict[str, ModelLoad]]] | None = None,
+        quota: QuotaGate | None = None,
     ) -> None:
         self.store = store
         self.executor = executor
         self.config = config
         self.tenants = tenants
         self.metrics = metrics
-        self.slots = PoolSlots(config.concurrency_per_replica)
+        self.slots = PoolSlots(
+            config.concurrency_per_replica,
+            adaptive=config.adaptive_concurrency,
+            maximum=config.max_concurrency_per_replica,
+        )
         self.committer = Committer(store, metrics)
-        self._replica_counts = replica_counts
-        self._limiters: dict[str, TokenRate] = {}
+        self._model_loads = model_loads
+        self._adapted_at = -ADAPT_S
+        self.batch_tokens = BatchTokens(
+            quota or QuotaGate("batch-runner"),
+            {name: t.batch_tokens_per_min for name, t in tenants.items()},
+        )
         self._jobs: dict[str, tuple[BatchJob, asyncio.Task[None]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._lock_fd: int | None = None
-
-    def limiter(self, tenant: str) -> TokenRate:
-        rate = self._limiters.get(tenant)
-        if rate is None:
-            config = self.tenants.get(tenant) or TenantConfig(name=tenant)
-            rate = self._limiters[tenant] = TokenRate(config.batch_tokens_per_min)
-        return rate
 
     def check_input(self, record: BatchRecord) -> list[BatchError]:
         """Why a validating batch cannot run (empty: it can)."""
@@ -548,14 +561,20 @@ class BatchRunner:
             self._wake.clear()
 
     async def _refresh_replicas(self) -> None:
-        if self._replica_counts is None:
+        if self._model_loads is None:
             return
         try:
-            counts = await self._replica_counts()  # type: ignore[misc]
+            loads = await self._model_loads()
         except Exception as err:
-            log.debug("replica counts unavailable: %s", err)
+            log.debug("replica loads unavailable: %s", err)
             return
-        self.slots.set_replicas(counts)
+        now = time.monotonic()
+        adapt = now - self._adapted_at >= ADAPT_S  # the engines' heartbeat: fresher is noise
+        if adapt:
+            self._adapted_at = now
+        self.slots.set_loads(loads, adapt=adapt)
+        for model, limit in self.slots.limits().items():
+            self.metrics.limit.labels(model).set(limit)
 
     def _launch(self, record: BatchRecord) -> None:
         job = BatchJob(self, record)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from hpcserve.config import BatchConfig
 from hpcserve.gateway.batch.execute import GatewayExecutor
 from hpcserve.gateway.batch.runner import BatchMetrics, BatchRunner
+from hpcserve.gateway.batch.slots import ModelLoad
 from hpcserve.gateway.batch.store import BatchStore
 
 if TYPE_CHECKING:
@@ -36,9 +37,20 @@ class BatchService:
     async def start(self, gateway: Gateway) -> None:
         self._store = await asyncio.to_thread(BatchStore, self.root)
 
-        async def replica_counts() -> dict[str, int]:
+        async def model_loads() -> dict[str, ModelLoad]:
             listing = await gateway.routing.models()
-            return {m.id: m.replicas for m in listing.models}
+            waiting: dict[str, int] = {}
+            running: dict[str, int] = {}
+            for replica in (await gateway.routing.replicas()).replicas:
+                waiting[replica.model] = waiting.get(replica.model, 0) + replica.load.waiting
+                running[replica.model] = running.get(replica.model, 0) + replica.load.running
+            # An adapter queues on its base model's engines; an alias's are not known here.
+            return {
+                m.id: ModelLoad(
+                    m.replicas, waiting.get(m.parent or m.id), running.get(m.parent or m.id, 0)
+                )
+                for m in listing.models
+            }
 
         self._runner = BatchRunner(
             self._store,
@@ -46,7 +58,8 @@ class BatchService:
             self.config,
             tenants={t.name: t for t in gateway.config.tenants},
             metrics=BatchMetrics(gateway.metrics_registry),
-            replica_counts=replica_counts,
+            model_loads=model_loads,
+            quota=gateway.quota,
         )
         await self._runner.start()
 

@@ -1,4 +1,6 @@
-"""In-flight batch requests per model, bounded: `per_replica` x the model's live replicas.
+"""In-flight batch requests per model, bounded: a bound per replica x the model's live
+replicas. The bound per replica is `batch.concurrency_per_replica`, adapted to the
+engines' load when `batch.adaptive_concurrency` is on (concurrency.py).
 
 Waiters are served first come, first served, so several batches on one model take turns
 line by line instead of the oldest batch holding every slot.
@@ -8,18 +10,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
+
+from hpcserve.gateway.batch.concurrency import AdaptiveLimit
 
 
 class ModelSlots:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.used = 0
+        self.held_back = False  # a request had to wait for a slot since the last check
         self._waiters: deque[asyncio.Future[None]] = deque()
 
     async def acquire(self) -> None:
         if self.used < self.capacity and not self._waiters:
             self.used += 1
             return
+        self.held_back = True
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(granted)
         try:
@@ -37,6 +44,10 @@ class ModelSlots:
         self.capacity = capacity
         self._grant()
 
+    def take_held_back(self) -> bool:
+        held, self.held_back = self.held_back or bool(self._waiters), False
+        return held
+
     def _grant(self) -> None:
         while self._waiters and self.used < self.capacity:
             waiter = self._waiters.popleft()
@@ -45,25 +56,67 @@ class ModelSlots:
                 waiter.set_result(None)
 
 
+@dataclass(frozen=True)
+class ModelLoad:
+    """A model's live replicas and their engines' running and waiting requests, summed
+    (waiting None: unknown, e.g. an alias: its bound is then not adapted)."""
+
+    replicas: int
+    waiting: int | None = None
+    running: int = 0
+
+
 class PoolSlots:
-    def __init__(self, per_replica: int) -> None:
+    def __init__(
+        self,
+        per_replica: int,
+        *,
+        adaptive: bool = False,
+        minimum: int = 2,
+        maximum: int = 1024,
+    ) -> None:
         self.per_replica = per_replica
+        self.adaptive, self.minimum, self.maximum = adaptive, minimum, maximum
         self._models: dict[str, ModelSlots] = {}
-        self._replicas: dict[str, int] = {}
+        self._limits: dict[str, AdaptiveLimit] = {}
+        self._loads: dict[str, ModelLoad] = {}
 
     def for_model(self, model: str) -> ModelSlots:
         slots = self._models.get(model)
         if slots is None:
+            self._limits[model] = AdaptiveLimit(
+                self.per_replica, minimum=self.minimum, maximum=self.maximum, adaptive=self.adaptive
+            )
             slots = self._models[model] = ModelSlots(self._capacity(model))
         return slots
 
+    def limits(self) -> dict[str, int]:
+        return {model: limit.per_replica for model, limit in self._limits.items()}
+
+    def limit(self, model: str) -> int:
+        """The bound per replica now."""
+        limit = self._limits.get(model)
+        return limit.per_replica if limit else self.per_replica
+
     def _capacity(self, model: str) -> int:
         # With no replica known, one replica's worth: they wait for one to come.
-        return self.per_replica * max(1, self._replicas.get(model, 0))
+        load = self._loads.get(model)
+        return self.limit(model) * max(1, load.replicas if load else 0)
 
     def set_replicas(self, replicas: dict[str, int]) -> None:
-        self._replicas = dict(replicas)
+        self.set_loads({model: ModelLoad(n) for model, n in replicas.items()}, adapt=False)
+
+    def set_loads(self, loads: dict[str, ModelLoad], *, adapt: bool = True) -> None:
+        """New replica counts; with adapt, also one control step of each model's bound."""
+        self._loads = dict(loads)
         for model, slots in self._models.items():
+            load = self._loads.get(model)
+            if adapt and load is not None and load.replicas and load.waiting is not None:
+                self._limits[model].update(
+                    running=load.running / load.replicas,
+                    waiting=load.waiting / load.replicas,
+                    held_back=slots.take_held_back(),
+                )
             slots.resize(self._capacity(model))
 
     def in_flight(self) -> int:

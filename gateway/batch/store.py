@@ -217,6 +217,35 @@ class BatchStore:
 
     # -- files -------------------------------------------------------------------------
 
+    def _page(
+        self,
+        table: str,
+        fields: tuple[str, ...],
+        filters: dict[str, object],
+        after: str | None,
+        limit: int,
+        newest_first: bool,
+    ) -> list[tuple[Any, ...]]:
+        """Up to limit + 1 rows of `table` (the extra one says there is more), in creation
+        order, those after the row `after` only, where each non-None filter column equals
+        its value."""
+        where = ["1 = 1"]
+        args: list[object] = []
+        for column, value in filters.items():
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if after:
+            where.append(
+                f"seq {'<' if newest_first else '>'} (SELECT seq FROM {table} WHERE id = ?)"
+            )
+            args.append(after)
+        return self._query(
+            f"SELECT {', '.join(fields)} FROM {table} WHERE {' AND '.join(where)} "
+            f"ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?",
+            (*args, limit + 1),
+        )
+
     def path_of(self, file_id: str) -> Path:
         return self.files_dir / file_id
 
@@ -289,22 +318,8 @@ class BatchStore:
         limit: int = 10_000,
         newest_first: bool = True,
     ) -> Page:
-        where = ["1 = 1"]
-        args: list[object] = []
-        if tenant is not None:
-            where.append("tenant = ?")
-            args.append(tenant)
-        if purpose:
-            where.append("purpose = ?")
-            args.append(purpose)
-        if after:
-            where.append(f"seq {'<' if newest_first else '>'} (SELECT seq FROM files WHERE id = ?)")
-            args.append(after)
-        rows = self._query(
-            f"SELECT {', '.join(_FILE_FIELDS)} FROM files WHERE {' AND '.join(where)} "
-            f"ORDER BY seq {'DESC' if newest_first else 'ASC'} LIMIT ?",
-            (*args, limit + 1),
-        )
+        filters = {"tenant": tenant, "purpose": purpose or None}
+        rows = self._page("files", _FILE_FIELDS, filters, after, limit, newest_first)
         return Page([self._file_from_row(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
     def delete_file(self, file_id: str, tenant: str | None) -> None:
@@ -376,19 +391,7 @@ class BatchStore:
     def list_batches(
         self, tenant: str | None, *, after: str | None = None, limit: int = 20
     ) -> Page:
-        where = ["1 = 1"]
-        args: list[object] = []
-        if tenant is not None:
-            where.append("tenant = ?")
-            args.append(tenant)
-        if after:
-            where.append("seq < (SELECT seq FROM batches WHERE id = ?)")
-            args.append(after)
-        rows = self._query(
-            f"SELECT {', '.join(_BATCH_FIELDS)} FROM batches WHERE {' AND '.join(where)} "
-            "ORDER BY seq DESC LIMIT ?",
-            (*args, limit + 1),
-        )
+        rows = self._page("batches", _BATCH_FIELDS, {"tenant": tenant}, after, limit, True)
         return Page([self._batch_from_row(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
     def active_batches(self) -> list[BatchRecord]:

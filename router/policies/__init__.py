@@ -20,7 +20,7 @@ def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Pol
         "kv-aware",
         filters,
         [
-            Weighted(NewPrefill(config.overload_abs, config.overload_rel), 1.0),
+            Weighted(NewPrefill(config.overload_abs, config.overload_rel, config.max_share), 1.0),
             Weighted(Load(config.tokens_per_request), 1.0),
             Weighted(KvPressure(config.kv_capacity_tokens), config.kv_pressure_weight),
         ],

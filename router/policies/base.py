@@ -55,8 +55,8 @@ class Cached:
         return out
 
     def at(self, row: int) -> int:
-        hit = np.flatnonzero(self.rows == row)
-        return int(self.tokens[hit[0]]) if len(hit) else 0
+        rows = self.rows.tolist()  # a few rows: cheaper than three numpy calls
+        return int(self.tokens[rows.index(row)]) if row in rows else 0
 
 
 @dataclass
@@ -182,15 +182,26 @@ class Policy:
         return kept
 
     def total_cost(self, ctx: RouteContext) -> np.ndarray:
-        total: np.ndarray | float = 0.0
+        # One fresh vector accumulated in place; costs equal on every row add up as a number.
+        total: np.ndarray | None = None
+        same_for_all = 0.0
         for w in self.scorers:
-            if w.weight == 1.0:
-                total = total + w.scorer.cost(ctx)
-            elif w.weight:
-                total = total + w.weight * w.scorer.cost(ctx)
-        if isinstance(total, np.ndarray):
-            return total
-        return np.full(len(ctx.table), total)
+            if not w.weight:
+                continue
+            cost = w.scorer.cost(ctx)
+            if not isinstance(cost, np.ndarray):
+                same_for_all += w.weight * cost
+            elif total is None:
+                total = cost * w.weight if w.weight != 1.0 else cost.astype(np.float64)
+            elif w.weight == 1.0:
+                total += cost
+            else:
+                total += w.weight * cost
+        if total is None:
+            return np.full(len(ctx.table), same_for_all)
+        if same_for_all:
+            total += same_for_all
+        return total
 
     def pick(self, ctx: RouteContext) -> Replica | None:
         kept = self.keep_mask(ctx)

@@ -328,7 +328,7 @@ def test_cancel_lets_requests_in_flight_finish_and_ends_cancelled(
     engines: Engines, make_gateway: Callable[..., GatewayProcess], router: RouterServer
 ) -> None:
     engines.start(decode_ms=10)  # 50 tokens: ~0.5 s a request
-    gateway = make_gateway(concurrency_per_replica=2)
+    gateway = make_gateway(concurrency_per_replica=2, adaptive_concurrency=False)
     client = gateway.client()
     batch = submit(client, chat_lines(40, max_tokens=50))
     wait_for("two results", lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2)
@@ -358,7 +358,9 @@ def test_a_batch_past_its_window_expires_with_what_completed(
     engines: Engines, make_gateway: Callable[..., GatewayProcess]
 ) -> None:
     engines.start(decode_ms=10)
-    gateway = make_gateway(concurrency_per_replica=2, completion_window_s=3)
+    gateway = make_gateway(
+        concurrency_per_replica=2, adaptive_concurrency=False, completion_window_s=3
+    )
     client = gateway.client()
     batch = submit(client, chat_lines(40, max_tokens=50))  # ~10 s of work at concurrency 2
     assert batch.expires_at - batch.created_at == 3
@@ -432,7 +434,7 @@ def test_a_gateway_killed_mid_batch_resumes_without_losing_or_repeating_results(
     engines: Engines, make_gateway: Callable[..., GatewayProcess], router: RouterServer
 ) -> None:
     engines.start(decode_ms=10)
-    gateway = make_gateway(concurrency_per_replica=4)
+    gateway = make_gateway(concurrency_per_replica=4, adaptive_concurrency=False)
     client = gateway.client()
     batch = submit(client, chat_lines(60, max_tokens=20))  # 15 waves of ~0.2 s
     wait_for(

@@ -6,6 +6,7 @@ down` leaves no process behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -29,6 +30,8 @@ from hpcserve.config import (
     dump_config,
     hash_api_key,
 )
+from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
+from hpcserve.router.client import list_replicas
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import conf_processes
@@ -44,6 +47,10 @@ RERANK = "tiny-rerank"
 # LoRA adapters of the chat model (issue 6): docs-a loaded at start, the others on demand.
 ADAPTERS = {"docs-a": 1, "docs-b": 2, "docs-c": 3}  # name -> seed
 SLURM_PORT = 36817
+# At most 4 sequences running: a queue forms, in which priority counts (issue 10).
+CHAT_ENGINE_ARGS = [
+    "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +87,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
                 model_ref=f"{MODEL}@1",  # registered by `up`, staged by the job
                 replicas=1,
                 engine="vllm-cpu",
-                engine_args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"],
+                engine_args=CHAT_ENGINE_ARGS,
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                 max_loras=2,
                 max_lora_rank=8,
@@ -528,6 +535,60 @@ def test_kv_events_from_vllm_fill_the_index_and_a_repeated_prompt_hits_it(
     # Our hashes of the prompt matched our hashes of vLLM's token_ids, block for block.
     hit = _router_counter(config, "hpcserve_router_cached_prompt_tokens_total") - cached
     assert hit == full_blocks * 128
+
+
+# -- Batch API (issue 10): engines schedule by priority, batch after interactive -------------
+
+
+async def _first_token_order(url: str, batch: int, max_tokens: int) -> list[str]:
+    """Streams `batch` requests at the batch priority straight to the engine, then, once
+    they queue there, one at the interactive priority: the order of their first tokens."""
+    order: list[str] = []
+
+    async def chat(http: httpx.AsyncClient, name: str, priority: str) -> None:
+        body = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": f"Extract document {name}"}]}  # fmt: skip
+        async with http.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={PRIORITY_HEADER: priority}
+        ) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if name in order or not line.startswith("data: {"):
+                    continue
+                if any(c["delta"].get("content") for c in json.loads(line[6:])["choices"]):
+                    order.append(name)
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        queued = [
+            asyncio.create_task(chat(http, f"batch-{i}", ENGINE_PRIORITY["batch"]))
+            for i in range(batch)
+        ]
+        deadline = time.monotonic() + 60
+        while _engine_gauge((await http.get(url + "/metrics")).text, "waiting") < batch - 4:
+            assert time.monotonic() < deadline, "the batch requests never queued"
+            await asyncio.sleep(0.05)
+        await chat(http, "interactive", ENGINE_PRIORITY["interactive"])
+        await asyncio.gather(*queued)
+    return order
+
+
+def _engine_gauge(metrics: str, what: str) -> float:
+    name = f"vllm:num_requests_{what}"
+    lines = metrics.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+
+def test_an_interactive_request_overtakes_queued_batch_requests_on_vllm(
+    stack: tuple[Stack, PlatformConfig],
+) -> None:
+    _, config = stack
+    url = next(r.url for r in list_replicas(config.router.routing_bind) if r.model == MODEL)
+    # The pool's default scheduling policy is priority; 4 run at once, 8 batch requests wait.
+    order = asyncio.run(_first_token_order(url, batch=12, max_tokens=400))
+    assert sorted(order) == sorted(["interactive", *(f"batch-{i}" for i in range(12))])
+    # First come, first served would start it after all 8 queued before it; priority starts
+    # it with the first places that free up: the last wave of batch requests starts after it.
+    assert len(order) - 1 - order.index("interactive") >= 4, order
 
 
 def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig]) -> None:

@@ -3,6 +3,7 @@ silent engine do to a request."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from tests.ports import free_port
 from tests.services import gateway_argv, service
 
 KEY = "sk-upstream-test"
+METERED_KEY = "sk-upstream-metered"
 
 
 @pytest.fixture
@@ -30,7 +32,9 @@ def gateway(router: RouterServer, tmp_path: Path) -> Iterator[str]:
                    "lease_s": router.config.lease_s, "heartbeat_s": router.config.heartbeat_s},
         "gateway": {"port": port, "upstream_timeout_s": 0.5, "route_timeout_s": 1.0,
                     "replica_view_s": 0.2,
-                    "api_keys": [{"tenant": "t", "sha256": hash_api_key(KEY)}]},
+                    "api_keys": [{"tenant": "t", "sha256": hash_api_key(KEY)},
+                                 {"tenant": "abandoner", "sha256": hash_api_key(METERED_KEY)}],
+                    "tenants": [{"name": "t"}, {"name": "abandoner", "tokens_per_min": 20}]},
         "pools": [{"name": "sim", "model_path": "/nonexistent", "engine": "sim"}],
     })  # fmt: skip
     path = tmp_path / "gateway.toml"
@@ -56,11 +60,14 @@ def test_client_disconnect_mid_stream_cancels_the_engine_request(
         gateway + "/v1/completions",
         json=body,
         timeout=10,
-        headers={"Authorization": f"Bearer {KEY}"},
+        headers={"Authorization": f"Bearer {METERED_KEY}"},
     ) as response:
-        assert response.status_code == 200
+        assert response.status_code == 200, response.read()
         lines = response.iter_lines()  # kept: dropping it would close the stream already
-        assert next(lines).startswith("data: ")
+        events = [line for line in itertools.islice(lines, 60) if line.startswith("data: ")]
+        assert len(events) == 30, "30 tokens, each event and a blank line"
+        # The usage so far that the gateway asked the engine for is not shown to the client.
+        assert not any('"usage"' in event for event in events)
         assert running_in_engine(router) == 1
     # The client hung up: the gateway drops the engine connection and the engine stops.
     deadline = time.monotonic() + 3
@@ -69,6 +76,20 @@ def test_client_disconnect_mid_stream_cancels_the_engine_request(
         time.sleep(0.05)
     (replica,) = list_replicas(router.config.routing_bind)
     assert replica.in_flight == 0, "the router's in-flight count was released"
+    # The tokens produced until the client went away count, in metrics and tokens/min.
+    metrics = httpx.get(gateway + "/metrics").text
+    out = 'hpcserve_gateway_tokens_total{direction="out",model="sim",tenant="abandoner"}'
+    produced = next(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(out)
+    )
+    assert produced >= 30
+    refused = httpx.post(
+        gateway + "/v1/completions",
+        json={"model": "sim", "prompt": "x", "max_tokens": 1},
+        headers={"Authorization": f"Bearer {METERED_KEY}"},
+    )
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["message"].startswith("Tenant 'abandoner' is over its tokens")
 
 
 def test_an_engine_silent_past_the_upstream_timeout_is_a_504(

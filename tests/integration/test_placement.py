@@ -138,3 +138,45 @@ def test_new_replicas_go_to_the_node_whose_cache_holds_the_model(
     # The control was submitted without a node list.
     assert [r for r in caplog.records if "pool q: submitted job" in r.message]
     assert not [r for r in caplog.records if "whose cache holds other@1" in r.message]
+
+
+def test_a_pinned_replica_whose_node_is_drained_is_replaced_unpinned(
+    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path, caplog: Any
+) -> None:
+    """The replica is pinned to n2 (its cache holds the model) and held pending by
+    --begin; n2 is drained: after poolmgr.pin_wait_s the job is cancelled and a replacement
+    submitted without the pin."""
+    from hpcserve.modelcache.refs import cache_key
+
+    source = _model_dir(tmp_path / "src-m", "m")
+    manifest = build_manifest(source)
+    with Registry(tmp_path / "registry.sqlite3") as registry:
+        registry.add_version("m", str(source), manifest)
+    config = cluster_config(
+        cluster,
+        router,
+        tmp_path,
+        "pw",
+        {"model_ref": "m@1", "engine": "sim", "sbatch_args": ["--begin=now+600"]},
+        engine={"cache_dir": str(tmp_path / "cache" / "{node}")},
+        poolmgr={"pin_wait_s": 1.0},
+    )
+    manager = PoolManager(config, slurm, router_endpoint=None)
+    manager.cache_inventory.report("n2", [cache_key("m", 1, manifest.digest())])
+    caplog.set_level("INFO", logger="hpcserve.poolmgr.manager")
+    manager.poll_once()
+    (pinned,) = _jobs(slurm, "pw", "p")
+    assert (pinned.required_nodes, pinned.state_reason) == (["n2"], "BeginTime")
+    slurm.drain_node("n2", "pin test")
+    try:
+
+        def replaced() -> SlurmJob | None:
+            manager.poll_once()
+            jobs = _jobs(slurm, "pw", "p")
+            return jobs[0] if len(jobs) == 1 and jobs[0].job_id != pinned.job_id else None
+
+        replacement = wait_for("the stranded job's replacement", replaced, timeout=30)
+        assert replacement.required_nodes == []
+        assert [r for r in caplog.records if "replacing it unpinned" in r.message]
+    finally:
+        slurm.resume_node("n2")

@@ -27,3 +27,19 @@ def test_bad_values_name_the_key(batch: dict[str, object], message: str) -> None
     with pytest.raises(ConfigError) as caught:
         parse_config({"batch": batch})
     assert message in str(caught.value)
+
+
+def _job_args(pool: dict[str, object]) -> tuple[str, ...]:
+    from hpcserve.poolmgr.spec import build_job_spec
+
+    config = parse_config({"pools": [{"name": "chat", "model_path": "/m", **pool}]})
+    return build_job_spec(config, config.pools[0]).engine_args
+
+
+def test_pools_start_their_engines_with_priority_scheduling_unless_told_otherwise() -> None:
+    assert _job_args({}) == ("--scheduling-policy", "priority")
+    assert _job_args({"scheduling_policy": "fcfs"}) == ()
+    own = ("--scheduling-policy=fcfs",)
+    assert _job_args({"engine_args": list(own)}) == own  # the pool's own flag wins
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.scheduling_policy"):
+        parse_config({"pools": [{"name": "chat", "model_path": "/m", "scheduling_policy": "x"}]})

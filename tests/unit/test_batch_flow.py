@@ -1,14 +1,19 @@
-"""What paces batch requests: slots per model (FIFO, resized with the replicas), the tenant's
-batch tokens per minute, and the progress `hpcserve batches` shows."""
+"""What paces batch requests: slots per model (FIFO, resized with the replicas, adapted to
+the engines' queues), the tenant's batch tokens per minute across gateways, and the progress
+`hpcserve batches` shows."""
 
 from __future__ import annotations
 
 import asyncio
 
-from hpcserve.gateway.batch.limiter import TokenRate
+from hpcserve.gateway.batch.concurrency import AdaptiveLimit
+from hpcserve.gateway.batch.limiter import BatchTokens
 from hpcserve.gateway.batch.progress import format_batches, progress_of
-from hpcserve.gateway.batch.slots import ModelSlots, PoolSlots
+from hpcserve.gateway.batch.slots import ModelLoad, ModelSlots, PoolSlots
 from hpcserve.gateway.batch.store import BatchRecord
+from hpcserve.gateway.quota import QuotaGate
+from hpcserve.router import protocol as p
+from hpcserve.router.quota_book import QuotaBook
 
 
 def test_slots_are_granted_first_come_first_served() -> None:
@@ -44,15 +49,75 @@ def test_pool_slots_scale_with_live_replicas() -> None:
     assert slots.capacity == 4
 
 
-def test_token_rate_lets_a_minute_through_then_paces() -> None:
-    now = [0.0]
-    rate = TokenRate(600, clock=lambda: now[0])  # 10 tokens a second
-    assert rate.wait_s() == 0
-    rate.charge(650)  # one request may take the bucket below zero
-    assert rate.wait_s() == (1 + 50) * 60 / 600
-    now[0] += 5.1
-    assert rate.wait_s() == 0
-    assert TokenRate(0).wait_s() == 0  # unlimited
+def test_the_bound_grows_while_engines_queue_little_and_backs_off_when_they_queue() -> None:
+    limit = AdaptiveLimit(32, minimum=2, maximum=1024, adaptive=True)
+
+    def step(running: float, waiting: float, held_back: bool = True) -> int:
+        return limit.update(running=running, waiting=waiting, held_back=held_back)
+
+    assert step(30, 0) == 64  # slow start
+    assert step(60, 3) == 128  # 3 waiting beside 60 running: arrivals within a step
+    assert step(100, 0, held_back=False) == 128  # the batch does not fill the bound
+    assert step(100, 10) == 128  # in the target band: hold
+    assert step(100, 30) == 128  # a queue of more than a quarter: once may be a burst
+    assert step(100, 30) == 102  # twice in a row: x 0.8, slow start ends
+    assert step(100, 0) == 115  # then + 1/8
+    assert step(100, 5) == 129
+    for _ in range(40):
+        step(0, 0)
+    assert limit.per_replica == 1024  # the maximum
+    step(200, 400)
+    assert step(200, 400) == 250  # far over what runs: down to it plus a quarter at once
+    for _ in range(40):
+        step(0, 1000)
+    assert limit.per_replica == 2  # the minimum
+    fixed = AdaptiveLimit(32, minimum=2, maximum=1024, adaptive=False)
+    assert fixed.update(running=0, waiting=0, held_back=True) == 32
+
+
+def test_pool_slots_adapt_per_model_to_the_engines_queues() -> None:
+    async def scenario() -> None:
+        pool = PoolSlots(per_replica=4, adaptive=True)
+        busy, idle = pool.for_model("busy"), pool.for_model("idle")
+        for _ in range(4):
+            await busy.acquire()
+        waiter = asyncio.create_task(busy.acquire())  # held back by the bound
+        await asyncio.sleep(0)
+        loads = {"busy": ModelLoad(2, waiting=0), "idle": ModelLoad(2, waiting=0)}
+        pool.set_loads(loads, adapt=False)  # a replica count only: no control step
+        assert (busy.capacity, idle.capacity) == (8, 8)
+        await waiter
+        pool.set_loads(loads)
+        assert pool.limits() == {"busy": 8, "idle": 4}  # only the one held back grows
+        assert busy.capacity == 16
+        for _ in range(2):
+            pool.set_loads({"busy": ModelLoad(2, waiting=40, running=8), "idle": ModelLoad(2)})
+        assert pool.limits() == {"busy": 5, "idle": 4}  # unknown waiting: unchanged
+
+    asyncio.run(scenario())
+
+
+def test_batch_tokens_per_min_hold_across_gateways_through_the_quota_book() -> None:
+    now = [1000.0]
+    book = QuotaBook()
+    gates = [QuotaGate(f"gw{i}", clock=lambda: now[0]) for i in range(2)]
+    first, second = (BatchTokens(g, {"t": 600}) for g in gates)
+
+    def sync() -> None:
+        for i, gate in enumerate(gates):
+            usage = gate.report(keepalive=True) or []
+            gate.apply(book.report(p.QuotaReport(i, f"gw{i}", usage), now[0]))
+
+    assert first.wait_s("t") == 0
+    first.charge("t", 650)  # one request may take the tenant over its minute
+    assert first.wait_s("t") > 0
+    assert second.wait_s("t") == 0  # the other gateway has not heard of it yet
+    sync()
+    assert second.wait_s("t") > 0  # now it has: the runner that takes over waits too
+    assert first.wait_s("other") == second.wait_s("other") == 0  # unlimited tenant
+    now[0] += 61
+    sync()
+    assert first.wait_s("t") == second.wait_s("t") == 0  # the usage left the window
 
 
 def batch(**fields: object) -> BatchRecord:

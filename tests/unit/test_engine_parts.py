@@ -17,6 +17,10 @@ vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
 vllm:num_requests_running_total_nonsense 99
 vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 384.0
 """
+CACHE_INFO = (
+    'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",'
+    'num_gpu_blocks="48",prefix_caching_hash_algo="sha256"} 1.0\n'
+)
 
 
 @pytest.mark.parametrize(
@@ -26,6 +30,8 @@ vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 384.0
         ("", ReplicaLoad()),
         ("vllm:num_requests_running garbage\n", ReplicaLoad()),
         ("vllm:num_requests_running 4\n", ReplicaLoad(running=4)),
+        (CACHE_INFO, ReplicaLoad(kv_capacity_tokens=48 * 128)),
+        ('vllm:cache_config_info{block_size="128",num_gpu_blocks="None"} 1.0\n', ReplicaLoad()),
     ],
 )
 def test_parse_vllm_load(text, expected):

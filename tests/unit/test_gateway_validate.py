@@ -5,7 +5,7 @@ import pytest
 
 from hpcserve.gateway import validate
 from hpcserve.gateway.errors import APIError
-from hpcserve.gateway.relay import _events_with_usage, openai_error_body
+from hpcserve.gateway.relay import _events_with_usage, _report_latest, openai_error_body
 
 CHAT = "/v1/chat/completions"
 MSG = '"messages": [{"role": "user", "content": "hi"}]'
@@ -91,6 +91,31 @@ def test_the_usage_event_is_read_and_dropped_only_when_asked(strip: bool) -> Non
     out = _events_with_usage(chunk + usage + done, exchange, strip)  # type: ignore[arg-type]
     assert seen.usage == (3, 4)
     assert out == (chunk + done if strip else chunk + usage + done)
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        b',"usage":{"prompt_tokens":3,"total_tokens":%d,"completion_tokens":%d}}',  # vLLM's
+        b', "usage": {"prompt_tokens": 3, "total_tokens": %d, "completion_tokens": %d}}',
+    ],
+)
+@pytest.mark.parametrize("strip_continuous", [True, False])
+def test_continuous_usage_is_kept_for_the_end_and_cut_out_when_not_asked(
+    usage: bytes, strip_continuous: bool
+) -> None:
+    seen = Seen()
+    exchange = type("E", (), {"usage": lambda self, p, c: seen.usage_of(p, c)})()
+    event = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"tok"}}]'
+    block = b"".join(event + usage % (3 + n, n) + b"\n\n" for n in (1, 2))
+    latest: list[bytes] = []
+    out = _events_with_usage(block, exchange, True, strip_continuous, latest)  # type: ignore[arg-type]
+    events = [msgspec.json.decode(e[6:]) for e in out.split(b"\n\n") if e]
+    assert [e["choices"][0]["delta"]["content"] for e in events] == ["tok", "tok"]
+    assert all(("usage" in e) is not strip_continuous for e in events)
+    assert seen.usage is None  # not decoded per event
+    _report_latest(exchange, latest)  # type: ignore[arg-type]  # the stream ended early
+    assert seen.usage == (3, 2)
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,16 @@ def test_a_bad_plan_file_is_named(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_bytes(msgspec.json.encode(LoraPlan(2, 8)))
     assert read_plan(str(good)) == LoraPlan(2, 8, [])
+
+
+def test_a_static_adapter_bound_to_another_base_version_is_refused(
+    tmp_path: Path, registered: tuple[Path, Path]
+) -> None:
+    base, _ = registered
+    with Registry(tmp_path / "state" / "registry.sqlite3") as reg:
+        reg.add_version("llama", str(base), build_manifest(base))  # llama@2; docs-a: llama@1
+    cfg = parse_config(config(tmp_path, model_ref="llama@2", max_loras=2, lora_adapters=["docs-a"]))
+    with pytest.raises(
+        ValueError, match="adapter docs-a is bound to llama@1, the pool serves llama@2"
+    ):
+        resolve_model(cfg, cfg.pools[0])

@@ -75,3 +75,43 @@ def test_an_adapter_is_loaded_on_demand_then_routed_to(lora_router: RouterServer
     finally:
         gateway.close(0)
         agent.close()
+
+
+def test_a_release_naming_the_adapter_lets_only_idle_adapters_be_unloaded() -> None:
+    """docs-a is the least recently routed but still has a request in flight; docs-b's
+    request was released (folded into the next Route): docs-b makes room for docs-c."""
+    sources = [
+        AdapterSource(name, "llama", f"/shared/{name}", b'{"files": []}')
+        for name in ("docs-a", "docs-b", "docs-c")
+    ]
+    adapters = AdapterRouter(AdapterCatalog(lambda: sources))
+    with running_router(loopback_router_config(lease_s=5.0), adapters=adapters) as server:
+        registration = p.Register(
+            "r1",
+            "chat",
+            "http://127.0.0.1:9",
+            adapters=["docs-a", "docs-b"],
+            max_adapters=2,
+            base_model="llama",
+        )
+        agent = RegistryAgent(server.config.registry_bind, registration)
+        asked: list[p.LoadAdapter] = []
+        agent.on_load_adapter = asked.append
+        gateway = zmq.Context.instance().socket(zmq.DEALER)
+        gateway.setsockopt(zmq.LINGER, 0)
+        gateway.connect(server.config.routing_bind)
+        try:
+            agent.register()
+            agent.process_replies(1.0)
+            assert route(gateway, "docs-a", 1).replica_id == "r1"  # stays in flight
+            assert route(gateway, "docs-b", 2).replica_id == "r1"
+            gateway.send(
+                p.encode(p.Route(3, "docs-c", released=["r1"], released_models=["docs-b"]))
+            )
+            assert gateway.poll(2000)
+            assert p.routing_reply_decoder.decode(gateway.recv()).error == "adapter_loading"
+            agent.process_replies(1.0)
+            assert [(m.adapter, m.unload) for m in asked] == [("docs-c", ["docs-b"])]
+        finally:
+            gateway.close(0)
+            agent.close()

@@ -47,6 +47,7 @@ def register(
     max_adapters: int = 2,
     base: str = "llama",
     waiting: int = 0,
+    model_ref: str = "",
 ) -> None:
     msg = p.Register(
         replica_id=rid,
@@ -56,6 +57,7 @@ def register(
         adapters=adapters,
         max_adapters=max_adapters,
         base_model=base,
+        model_ref=model_ref,
     )
     registry.register(msg, 0.0)
     router.on_register(msg, peer=rid.encode())
@@ -101,12 +103,11 @@ def test_a_full_replica_unloads_its_least_recently_used_adapter() -> None:
     clock = Clock()
     router, registry = make(clock)
     register(router, registry, "r1", ["docs-a", "docs-b"], max_adapters=2)
-    clock.now = 101
-    router.routed("r1", "docs-a")
-    clock.now = 102
-    router.routed("r1", "docs-b")
-    clock.now = 103
-    router.routed("r1", "docs-a")  # docs-b is now the least recently used
+    for now, adapter in ((101, "docs-a"), (102, "docs-b"), (103, "docs-a")):
+        clock.now = now
+        router.routed("r1", adapter)
+        router.released("r1", adapter, idle=False)
+    # docs-b is now the least recently used
     decision = router.route("docs-c", registry)
     assert decision.load is not None and decision.load.unload == ["docs-b"]
     assert decision.error == LOADING
@@ -233,5 +234,121 @@ def test_catalog_from_a_registry_file(tmp_path: Path) -> None:
     catalog = AdapterCatalog.from_registry(str(root / "reg.sqlite3"))
     found = catalog.get("docs-a")
     assert found is not None and (found.base_model, found.source) == ("llama", str(adapter))
+    assert found.base_version == 1
     assert b"adapter_model.safetensors" in found.manifest
     assert AdapterCatalog.from_registry(str(root / "missing.sqlite3")).all() == []
+
+
+# -- requests in flight per adapter (never unloaded while busy on that replica)
+
+
+def _route_and_hold(router: AdapterRouter, rid: str, adapter: str, at: float, clock: Clock) -> None:
+    clock.now = at
+    router.routed(rid, adapter)
+
+
+def test_an_adapter_with_requests_in_flight_is_not_unloaded() -> None:
+    clock = Clock()
+    router, registry = make(clock)
+    register(router, registry, "r1", ["docs-a", "docs-b"], max_adapters=2)
+    _route_and_hold(router, "r1", "docs-a", 101, clock)  # still running: the LRU one
+    _route_and_hold(router, "r1", "docs-b", 102, clock)
+    router.released("r1", "docs-b", idle=False)
+    decision = router.route("docs-c", registry)
+    assert decision.load is not None and decision.load.unload == ["docs-b"]
+    assert router.in_flight("r1", "docs-a") == 1
+
+
+def test_a_replica_whose_adapters_are_all_busy_takes_no_load() -> None:
+    clock = Clock()
+    router, registry = make(clock)
+    register(router, registry, "busy", ["docs-a", "docs-b"], max_adapters=2)
+    register(router, registry, "other", ["docs-a", "docs-b"], max_adapters=2, waiting=5)
+    for adapter in ("docs-a", "docs-b"):
+        _route_and_hold(router, "busy", adapter, 101, clock)
+    # The less loaded replica cannot make room: the load goes to the other one.
+    decision = router.route("docs-c", registry)
+    assert decision.load is not None and decision.load.replica_id == "other"
+
+
+def test_when_every_replica_is_busy_the_request_waits_until_one_ends() -> None:
+    clock = Clock()
+    router, registry = make(clock)
+    register(router, registry, "r1", ["docs-a", "docs-b"], max_adapters=2)
+    for adapter in ("docs-a", "docs-b", "docs-b"):
+        _route_and_hold(router, "r1", adapter, 101, clock)
+    waiting = router.route("docs-c", registry)
+    assert (waiting.error, waiting.load) == (LOADING, None)
+    router.released("r1", "docs-b", idle=False)
+    assert router.route("docs-c", registry).load is None  # one docs-b request still runs
+    router.released("r1", "docs-b", idle=False)
+    decision = router.route("docs-c", registry)
+    assert decision.load is not None and decision.load.unload == ["docs-b"]
+
+
+def test_a_release_naming_no_model_clears_the_counts_once_the_replica_is_idle() -> None:
+    clock = Clock()
+    router, registry = make(clock)
+    register(router, registry, "r1", ["docs-a", "docs-b"], max_adapters=2)
+    _route_and_hold(router, "r1", "docs-a", 101, clock)
+    _route_and_hold(router, "r1", "docs-b", 102, clock)
+    router.released("r1", "", idle=False)  # an older gateway: which request is unknown
+    assert router.in_flight("r1", "docs-a") == router.in_flight("r1", "docs-b") == 1
+    router.released("r1", "", idle=True)
+    assert router.in_flight("r1", "docs-a") == router.in_flight("r1", "docs-b") == 0
+    decision = router.route("docs-c", registry)
+    assert decision.load is not None and decision.load.unload == ["docs-a"]
+
+
+def test_in_flight_counts_survive_a_repeated_register() -> None:
+    clock = Clock()
+    router, registry = make(clock)
+    register(router, registry, "r1", ["docs-a"], max_adapters=1)
+    _route_and_hold(router, "r1", "docs-a", 101, clock)
+    register(router, registry, "r1", ["docs-a"], max_adapters=1)
+    assert router.in_flight("r1", "docs-a") == 1
+    assert router.route("docs-b", registry).load is None
+
+
+# -- adapters bound to a base version
+
+
+VERSIONED = [
+    AdapterSource("docs-v2", "llama", "/shared/v2", b'{"v": 2}', base_version=2),
+    AdapterSource("docs-any", "llama", "/shared/any", b'{"v": 0}'),
+]
+
+
+def test_an_adapter_bound_to_a_version_loads_only_on_replicas_of_that_version() -> None:
+    clock = Clock()
+    router, registry = make(clock, VERSIONED)
+    register(router, registry, "v1", [], model_ref="llama@1")  # idle: would be picked
+    register(router, registry, "v2", [], model_ref="llama@2", waiting=7)
+    decision = router.route("docs-v2", registry)
+    assert decision.load is not None and decision.load.replica_id == "v2"
+    # A version-less catalog entry (an older registry) still goes by the model name.
+    assert router.route("docs-any", registry).peer == b"v1"
+
+
+def test_no_replica_of_the_bound_version_means_no_replica() -> None:
+    clock = Clock()
+    router, registry = make(clock, VERSIONED)
+    register(router, registry, "v1", [], model_ref="llama@1")
+    register(router, registry, "path", [])  # a model_path pool: its version is unknown
+    assert router.route("docs-v2", registry).error == NO_REPLICA
+
+
+def test_a_replica_of_another_version_holding_the_adapter_is_not_a_candidate() -> None:
+    clock = Clock()
+    router, registry = make(clock, VERSIONED)
+    register(router, registry, "v1", ["docs-v2"], model_ref="llama@1")
+    register(router, registry, "v2", ["docs-v2"], model_ref="llama@2")
+    decision = router.route("docs-v2", registry)
+    assert [r.replica_id for r in decision.candidates] == ["v2"]
+
+
+def test_listing_names_only_the_bound_versions_replicas_as_parent() -> None:
+    clock = Clock()
+    router, registry = make(clock, VERSIONED)
+    register(router, registry, "v1", [], model_ref="llama@1")
+    assert {m.id for m in router.listing(registry)} == {"docs-any"}

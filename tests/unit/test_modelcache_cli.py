@@ -91,7 +91,7 @@ def test_models_add_registers_a_lora_adapter_with_its_rank(cli, tmp_path: Path) 
     (lora / "adapter_model.safetensors").write_bytes(b"\0" * 4096)
     assert cli("models", "add", "llama", src)[0] == 0
     assert cli("models", "add", "docs", str(lora), "--lora-base", "llama")[1] == (
-        "added adapter docs (base llama, rank 16)\n"
+        "added adapter docs (base llama@1, rank 16)\n"
     )
     code, _, err = cli("models", "add", "other", str(lora), "--lora-base", "qwen")
     assert code == 2 and "no model named 'qwen'" in err

@@ -15,6 +15,7 @@ from hpcserve.modelcache.manifest import (
     ManifestError,
     build_manifest,
     decode_manifest,
+    hash_file,
     verify,
 )
 from tests.unit.modelcache_util import CHUNK, make_model
@@ -106,3 +107,13 @@ def test_build_refuses_missing_dir_unknown_algorithm_and_symlinked_dirs(tmp_path
     (d / "linked").symlink_to(d / "tokenizer")
     with pytest.raises(ManifestError, match="symlinked directories are not followed"):
         build_manifest(d)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096 + 5])
+@pytest.mark.parametrize("chunk", [4096, 5000, 1 << 20])
+def test_hashing_mapped_gives_the_same_digest(tmp_path: Path, size: int, chunk: int) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(size))
+    for algorithm in ("blake3", "sha256"):
+        plain = hash_file(path, algorithm, chunk, None)
+        assert hash_file(path, algorithm, chunk, None, mapped=True) == plain

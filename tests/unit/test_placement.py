@@ -3,10 +3,34 @@ they can start now."""
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
 import pytest
 
-from hpcserve.poolmgr.placement import CacheInventory, gpu_count, job_pins, placements
-from hpcserve.poolmgr.slurm_parse import SlurmNode
+from hpcserve.config import parse_config
+from hpcserve.poolmgr.identity import new_identity
+from hpcserve.poolmgr.manager import PoolManager
+from hpcserve.poolmgr.placement import (
+    CacheInventory,
+    PinWatch,
+    gpu_count,
+    job_pins,
+    placements,
+    unavailable_pin,
+)
+from hpcserve.poolmgr.slurm import SlurmCLI
+from hpcserve.poolmgr.slurm_parse import (
+    JobState,
+    SlurmJob,
+    SlurmNode,
+    SqueueSnapshot,
+    unavailable_required_nodes,
+)
+from hpcserve.poolmgr.spec import pool_spec_digest
+
+RECORDED = Path(__file__).parent / "data" / "slurm" / "22.05"
 
 
 def node(
@@ -97,3 +121,154 @@ def test_job_pins_only_for_registry_models_on_one_node_not_chosen_by_the_pool() 
     assert job_pins(inv, key, nodes, jobs=1, gpus_per_job=1, nodes_per_job=2) == [""]
     for args in (["--nodelist=n3"], ["-w", "n3"], ["--exclude=n1"]):
         assert job_pins(inv, key, nodes, jobs=1, gpus_per_job=1, sbatch_args=args) == [""]
+
+
+# -- a pinned job whose node goes away after submission
+
+
+@pytest.mark.parametrize(
+    ("reason", "description", "nodes"),
+    [
+        ("ReqNodeNotAvail", "ReqNodeNotAvail, UnavailableNodes:n2", ["n2"]),
+        (
+            "ReqNodeNotAvail",
+            "ReqNodeNotAvail, UnavailableNodes:gpu[01-02],n5",
+            ["gpu01", "gpu02", "n5"],
+        ),
+        ("ReqNodeNotAvail", "ReqNodeNotAvail, UnavailableNodes:", []),
+        ("ReqNodeNotAvail", "", []),
+        (
+            "Resources",
+            "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority "
+            "partitions",
+            [],
+        ),
+        ("Resources", "", None),
+        ("Priority", "", None),
+        ("JobHeldUser", "", None),
+        ("None", "", None),
+    ],
+)
+def test_unavailable_required_nodes(reason: str, description: str, nodes: list[str] | None) -> None:
+    assert unavailable_required_nodes(reason, description) == nodes
+
+
+class Runner:
+    def __init__(self, stdout: str) -> None:
+        self.stdout = stdout
+
+    def __call__(self, argv: list[str], stdin: str | None) -> subprocess.CompletedProcess[str]:
+        assert argv == ["squeue", "--all", "--json"]
+        return subprocess.CompletedProcess(argv, 0, self.stdout, "")
+
+
+def recorded_jobs(name: str) -> dict[int, SlurmJob]:
+    """squeue --json recorded on 22.05.8: job 1 ran on n2 and was cancelled, job 2 was
+    submitted with --nodelist=n2 while job 1 held n2's GPUs, then n2 was drained (the
+    `down` file: job 3 pinned to n1, then n1 set down)."""
+    cli = SlurmCLI({}, runner=Runner((RECORDED / name).read_text()))
+    return {job.job_id: job for job in cli.jobs().jobs}
+
+
+def test_a_job_pinned_to_a_drained_node_is_seen_from_squeue_alone() -> None:
+    job = recorded_jobs("squeue_pinned_node_drained.json")[2]
+    assert (job.state, job.required_nodes, job.state_reason) == (
+        JobState.PENDING,
+        ["n2"],
+        "ReqNodeNotAvail",
+    )
+    assert job.state_description == "ReqNodeNotAvail, UnavailableNodes:n2"
+    assert unavailable_pin(job, []) == ["n2"]  # no node listing yet: the reason says it
+    assert unavailable_pin(job, [node("n1"), node("n2", state=("IDLE", "DRAIN"))]) == ["n2"]
+    ran = recorded_jobs("squeue_pinned_node_drained.json")[1]
+    assert ran.required_nodes == ["n2"] and unavailable_pin(ran, []) == []  # not pending
+
+
+def test_a_job_pinned_to_a_node_set_down_before_slurm_names_it() -> None:
+    job = recorded_jobs("squeue_pinned_node_down.json")[3]
+    assert (job.state_reason, job.required_nodes) == ("Resources", ["n1"])
+    assert unavailable_pin(job, [node("n1", state=("DOWN",)), node("n2")]) == ["n1"]
+
+
+def pending(job_id: int, pinned: Sequence[str], reason: str = "Resources") -> SlurmJob:
+    return SlurmJob(
+        job_id, "hpcserve-chat", JobState.PENDING, reason, [], "gpu", "", 0, None, None, None,
+        "", required_nodes=list(pinned),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("job", "nodes", "bad"),
+    [
+        (pending(1, ["n2"]), [node("n1"), node("n2")], []),  # busy, not gone: it waits
+        (pending(1, []), [node("n2", state=("DOWN",))], []),  # not pinned
+        (pending(1, ["n2"]), [node("n1")], ["n2"]),  # gone from the listing
+        (pending(1, ["n2"]), [node("n2", state=("IDLE", "DRAIN"))], ["n2"]),
+        (pending(1, ["n2"]), [node("n2", state=("DOWN", "NOT_RESPONDING"))], ["n2"]),
+    ],
+)
+def test_unavailable_pin(job: SlurmJob, nodes: list[SlurmNode], bad: list[str]) -> None:
+    assert unavailable_pin(job, nodes) == bad
+
+
+def test_pin_watch_reports_a_job_stranded_for_the_whole_wait() -> None:
+    watch = PinWatch(wait_s=60)
+    drained = [node("n1"), node("n2", state=("IDLE", "DRAIN"))]
+    up = [node("n1"), node("n2")]
+    job = pending(7, ["n2"])
+    assert watch.stranded([job], drained, now=0) == {}
+    assert watch.stranded([job], drained, now=59) == {}
+    assert watch.stranded([job], up, now=60) == {}  # back: the wait starts over
+    assert watch.stranded([job], drained, now=61) == {}
+    assert watch.stranded([job], drained, now=121) == {7: ["n2"]}
+    assert watch.stranded([], drained, now=122) == {} and watch.since == {}
+
+
+class FakeSlurm:
+    """The SlurmClient calls one poll makes, answered from lists."""
+
+    def __init__(self, jobs: list[SlurmJob], nodes: list[SlurmNode]) -> None:
+        self.job_list, self.node_list = jobs, nodes
+        self.submitted: list[list[str]] = []
+        self.cancelled: list[int] = []
+
+    def submit(self, script: str, *, extra_args: Sequence[str] = ()) -> int:
+        self.submitted.append(list(extra_args))
+        return 100 + len(self.submitted)
+
+    def jobs(self, *, name_prefix: str | None = None) -> SqueueSnapshot:
+        return SqueueSnapshot("22.05.8", list(self.job_list))
+
+    def cancel(
+        self, job_ids: Sequence[int], *, signal: str | None = None, batch_only: bool = False
+    ) -> None:
+        self.cancelled += job_ids
+
+    def nodes(self) -> list[SlurmNode]:
+        return list(self.node_list)
+
+
+def test_the_pool_manager_replaces_a_stranded_pinned_job_unpinned(tmp_path: Path) -> None:
+    config = parse_config(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "poolmgr": {"pin_wait_s": 60},
+            "pools": [{"name": "chat", "model_path": str(tmp_path / "m"), "engine": "sim"}],
+        }
+    )
+    pool = config.pools[0]
+    comment = new_identity("chat", pool.model, spec=pool_spec_digest(config, pool)).comment()
+    job = SlurmJob(
+        42, "hpcserve-chat", JobState.PENDING, "ReqNodeNotAvail", [], "gpu", comment, 0, None,
+        None, None, "", required_nodes=["n2"],
+        state_description="ReqNodeNotAvail, UnavailableNodes:n2",
+    )  # fmt: skip
+    slurm = FakeSlurm([job], [node("n1"), node("n2", state=("IDLE", "DRAIN"))])
+    clock = [1000.0]
+    manager = PoolManager(config, slurm, clock=lambda: clock[0], router_endpoint=None)
+    manager.poll_once()
+    assert (slurm.cancelled, slurm.submitted) == ([], [])  # within the wait
+    clock[0] += 61
+    manager.poll_once()
+    assert slurm.cancelled == [42]
+    assert len(slurm.submitted) == 1 and not any("--nodelist" in a for a in slurm.submitted[0])

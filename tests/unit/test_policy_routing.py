@@ -96,7 +96,7 @@ def prompt(prefix_len, unique, tag):
 
 
 def test_the_replica_holding_the_prefix_wins_at_equal_load():
-    fleet = Fleet()
+    fleet = Fleet(max_share=1.0)  # six in a row on one replica: past the share gate
     doc = prompt(0, 2048, "doc")
     first = fleet.route(doc)
     fleet.release(first)
@@ -144,6 +144,44 @@ def test_long_contexts_in_flight_count_against_capacity():
     fleet = Fleet(tokens_per_request=1.0, kv_capacity_tokens=10_000)
     placed = [fleet.route(prompt(0, 4000, i), store=False) for i in range(6)]
     assert Counter(placed) == {"r0": 2, "r1": 2, "r2": 2}
+
+
+def test_one_shared_system_prompt_spreads_even_one_request_at_a_time():
+    # No queue ever forms, so the overload gate never fires: the share gate spreads it.
+    fleet = Fleet()
+    counts: Counter[str] = Counter()
+    hits = 0
+    for i in range(300):
+        tokens = prompt(1024, 100, i)
+        table = fleet.registry.table("m")
+        request = fleet.decider.request_of(
+            p.Route(1, "m", block_hashes=prompt_block_hashes(tokens, BS), block_size=BS), "m"
+        )
+        cached = fleet.decider.cached_tokens(request, table)
+        rid = fleet.route(tokens)
+        hits += bool(cached is not None and cached.at(fleet.registry.get(rid).row))
+        counts[rid] += 1
+        fleet.release(rid)
+    assert max(counts.values()) <= 300 * 0.45 and len(counts) == 3, counts
+    assert hits >= 300 - 3, hits  # each replica misses the shared prompt once
+
+
+def test_new_contexts_go_to_the_replica_whose_cache_holds_least():
+    """Contexts sharing a short preamble: a capacity-blind prefix router piles them onto the
+    replica that holds the preamble; with the replicas' KV capacity known, the KV events'
+    blocks count as fill and new contexts spread."""
+    placed = {}
+    for weight in (1.0, 0.0):
+        fleet = Fleet(kv_capacity_tokens=6 * 1024, kv_pressure_weight=weight, max_share=1.0)
+        chosen: Counter[str] = Counter()
+        for customer in range(12):
+            fleet.clock += 1.0
+            rid = fleet.route([5] * 64 + prompt(0, 1024, customer))  # 4 shared blocks
+            chosen[rid] += 1
+            fleet.release(rid)
+        placed[weight] = chosen
+    assert max(placed[1.0].values()) <= 5, placed
+    assert max(placed[0.0].values()) >= 11, placed
 
 
 def test_stale_prefix_state_follows_block_removed():

@@ -177,5 +177,53 @@ def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     with sqlite3.connect(path) as db:
         db.execute("PRAGMA user_version = 99")
     db.close()
-    with pytest.raises(RegistryError, match="registry schema 99; this hpcserve knows 1"):
+    with pytest.raises(RegistryError, match="registry schema 99; this hpcserve knows 2"):
         Registry(path)
+
+
+def test_an_adapter_is_bound_to_one_base_version(reg: Registry) -> None:
+    assert reg.add_adapter("on-v2", "llama-8b-docs@2", "/l/a", manifest("a"), rank=8).base_ref == (
+        "llama-8b-docs@2"
+    )
+    latest = reg.add_adapter("on-latest", "llama-8b-docs", "/l/b", manifest("b"), rank=8)
+    assert latest.base_ref == "llama-8b-docs@3"
+    reg.set_alias("docs", "llama-8b-docs@1")
+    assert reg.add_adapter("on-alias", "docs", "/l/c", manifest("c"), rank=8).base_version == 1
+    with pytest.raises(InUseError, match="llama-8b-docs@2 is the base model of adapters: on-v2"):
+        reg.remove("llama-8b-docs@2")
+    with pytest.raises(NotFoundError, match="llama-8b-docs@9 does not exist"):
+        reg.add_adapter("on-v9", "llama-8b-docs@9", "/l/d", manifest("d"), rank=8)
+    assert reg.kind("on-v9") is None
+    reg.remove("on-v2")
+    assert reg.remove("llama-8b-docs@2") == "llama-8b-docs@2"
+
+
+SCHEMA_1_ADAPTERS = """CREATE TABLE adapters (
+    name TEXT PRIMARY KEY, base_model TEXT NOT NULL REFERENCES models(name),
+    rank INTEGER NOT NULL CHECK (rank >= 1), path TEXT NOT NULL, manifest TEXT NOT NULL,
+    manifest_digest TEXT NOT NULL, total_bytes INTEGER NOT NULL, created REAL NOT NULL)"""
+
+
+def test_a_schema_1_registry_binds_its_adapters_to_the_latest_base_version(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.sqlite3"
+    with Registry(path) as r:
+        r.add_version("m", "/l/m1", manifest("1"))
+        r.add_version("m", "/l/m2", manifest("2"))
+    db = sqlite3.connect(path)
+    with db:  # what hpcserve with schema 1 wrote
+        db.execute("DROP TABLE adapters")
+        db.execute(SCHEMA_1_ADAPTERS)
+        db.execute(
+            "INSERT INTO adapters VALUES ('old', 'm', 8, '/l/a', ?, ?, 1000, 1.0)",
+            (manifest("a").encode().decode(), manifest("a").digest()),
+        )
+        db.execute("PRAGMA user_version = 1")
+    db.close()
+    with Registry(path) as r:
+        assert r.adapter("old").base_ref == "m@2"
+        assert r.adapter_manifest("old") == manifest("a")
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone() == (2,)
+    db.close()

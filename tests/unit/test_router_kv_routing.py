@@ -6,17 +6,29 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
+from hpcserve.config import RoutingConfig
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.router import kv_wire as kw
 from hpcserve.router import protocol as p
 from hpcserve.router.client import list_replicas
 from hpcserve.router.prefix_hash import prompt_block_hashes
 from tests.ports import free_port
+from tests.routers import loopback_router_config, running_router
 
 BS = 16
 DOC = list(range(1000, 1000 + 8 * BS))
+
+
+@pytest.fixture
+def router():
+    # Ten requests in a row to one of three replicas: past the share gate, which
+    # tests/unit/test_policy_routing.py covers.
+    config = loopback_router_config(routing=RoutingConfig(max_share=1.0))
+    with running_router(config) as server:
+        yield server
 
 
 def ask(sock, msg):

@@ -84,3 +84,53 @@ def test_gateway_hints_from_the_config(chat_dir, tmp_path):
     assert hints.hints("gpu", {"messages": MESSAGES}, {})["block_size"] == 32
     baseline = {"router": {"routing": {"policy": "least-load"}}, "pools": pools}
     assert route_hints_for(parse_config(baseline)) is None
+
+
+def test_adapter_requests_hash_like_the_index_hashes_their_blocks(chat_dir, tmp_path):
+    from hpcserve.config import parse_config
+    from hpcserve.modelcache.manifest import build_manifest
+    from hpcserve.modelcache.registry import Registry as ModelRegistry
+    from hpcserve.router import kv_wire as kw
+    from hpcserve.router.prefix_index import PrefixIndex
+    from hpcserve.router.prompt_tokens import route_hints_for
+
+    adapter_dir = make_tiny_model("lora", tmp_path / "lora", seed=1)
+    with ModelRegistry(tmp_path / "reg.sqlite3") as reg:
+        reg.add_version("chat", str(chat_dir), build_manifest(chat_dir))
+        reg.add_adapter(
+            "from-registry", "chat", str(adapter_dir), build_manifest(adapter_dir), rank=8
+        )
+    pool = {
+        "name": "chat",
+        "model_path": str(chat_dir),
+        "engine": "vllm-cpu",
+        "max_loras": 2,
+        "lora_adapters": ["from-config"],
+    }
+    hints = route_hints_for(
+        parse_config(
+            {
+                "registry": str(tmp_path / "reg.sqlite3"),
+                "engine": {"cache_dir": str(tmp_path / "cache")},
+                "pools": [pool],
+            }
+        )
+    )
+    tokens = PromptTokenizer.from_dir(chat_dir).chat_tokens(MESSAGES * 20)
+    n = len(tokens) // 128
+    base = hints.hints("chat", {"messages": MESSAGES * 20}, {})["block_hashes"]
+    for adapter in ("from-config", "from-registry"):
+        got = hints.hints(adapter, {"messages": MESSAGES * 20}, {})
+        assert got["adapter"] == adapter and len(got["block_hashes"]) == n > 0
+        assert set(got["block_hashes"]).isdisjoint(base)
+        # The engine stores the prompt's blocks under the adapter's lora_name.
+        index = PrefixIndex()
+        stored = kw.BlockStored(list(range(n)), None, tokens[: n * 128], 128, lora_name=adapter)
+        index.apply("r0", [stored])
+        assert index.match(got["block_hashes"]) == {"r0": n}
+        assert index.match(base) == {}
+    # A pool without LoRA hashes no adapter names; an unknown name gets no hints.
+    plain = route_hints_for(
+        parse_config({"pools": [{**pool, "max_loras": 0, "lora_adapters": []}]})
+    )
+    assert "from-config" not in plain and plain.hints("nope", {"messages": MESSAGES}, {}) == {}

@@ -1,0 +1,109 @@
+"""Tenant limits across two gateway processes hold across a router restart: the new router's
+quota book learns the last minute back from the gateways (router/quota_book.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hpcserve.config import RouterConfig, dump_config, hash_api_key, parse_config
+from hpcserve.router import protocol as p
+from hpcserve.router.server import RouterServer
+from tests.integration.slurm_helpers import wait_for
+from tests.ports import free_port
+from tests.routers import loopback_router_config, running_router
+from tests.services import gateway_argv, service, sim_engine_argv, stop, wait_healthy
+
+MODEL = "tiny"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+KEY = "sk-free"
+
+
+@pytest.fixture
+def engine_url() -> Iterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with service(sim_engine_argv(port, MODEL, 1), url):
+        yield url
+
+
+def start_router(config: RouterConfig, engine_url: str) -> Iterator[RouterServer]:
+    with running_router(config) as router:
+        router.registry.register(p.Register("fast", MODEL, engine_url), now=1e12)
+        yield router
+
+
+def ports_free(config: RouterConfig) -> bool:
+    for endpoint in (config.registry_bind, config.routing_bind):
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                return False
+    return True
+
+
+def used_in_book(router: RouterServer) -> int:
+    return sum(t.requests for t in router.quotas.others("nobody", time.monotonic()))
+
+
+def test_limits_hold_across_a_router_restart_under_two_gateways(
+    engine_url: str, tmp_path: Path
+) -> None:
+    config = loopback_router_config(lease_s=600.0)
+    procs, urls = [], []
+    for i in range(2):
+        port = free_port()
+        platform = parse_config({
+            "router": {"registry_bind": config.registry_bind, "routing_bind": config.routing_bind},
+            "gateway": {"port": port, "quota_sync_s": 0.05, "route_timeout_s": 1.0,
+                        "tenants": [{"name": "free", "requests_per_min": 4}],
+                        "api_keys": [{"tenant": "free", "sha256": hash_api_key(KEY)}]},
+            "pools": [{"name": MODEL, "model_path": "/nonexistent", "engine": "sim"}],
+        })  # fmt: skip
+        path = tmp_path / f"gateway{i}.toml"
+        path.write_text(dump_config(platform))
+        procs.append(
+            subprocess.Popen(
+                gateway_argv(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+        )
+        urls.append(f"http://127.0.0.1:{port}")
+
+    def post(url: str) -> int:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        return httpx.post(
+            url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=10
+        ).status_code
+
+    try:
+        first = start_router(config, engine_url)
+        router = next(first)
+        for url, proc in zip(urls, procs, strict=True):
+            wait_healthy(url, proc)
+        assert [post(urls[0]), post(urls[1]), post(urls[0]), post(urls[1])] == [200] * 4
+        wait_for("the book to hold 4 requests", lambda: used_in_book(router) == 4, timeout=10)
+        epoch = router.quotas.epoch
+
+        first.close()  # the router stops; a new one starts on the same sockets, book empty
+        # The old sockets close in libzmq's I/O thread: the ports free up a moment later.
+        wait_for("the router's ports to be free", lambda: ports_free(config), timeout=10)
+        second = start_router(config, engine_url)
+        router = next(second)
+        assert router.quotas.epoch != epoch and used_in_book(router) == 0
+        # Each gateway sees the new epoch and sends its whole minute back.
+        wait_for("the gateways to re-send", lambda: used_in_book(router) == 4, timeout=10)
+        time.sleep(0.2)  # a few sync intervals: each gateway has the other's totals
+        assert [post(urls[0]), post(urls[1])] == [429, 429]
+        second.close()
+    finally:
+        for proc in procs:
+            stop(proc)

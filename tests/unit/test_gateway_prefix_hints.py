@@ -1,0 +1,53 @@
+"""Prefix hints for the router: long prompts are tokenized off the event loop, same hints."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from hpcserve.config import GatewayConfig
+from hpcserve.gateway import app as gateway_app
+from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints
+from hpcserve.tinymodels import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def hints(tmp_path_factory: pytest.TempPathFactory) -> RouteHints:
+    hints = RouteHints()
+    model_dir = make_tiny_model("chat", tmp_path_factory.mktemp("m") / "chat")
+    hints.add_model("m", PromptTokenizer.from_dir(model_dir), 16)
+    return hints
+
+
+def body_of(chars: int) -> bytes:
+    text = ("consignee ACME GmbH " * (chars // 20 + 1))[:chars]
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode()
+
+
+def test_long_prompts_are_tokenized_on_the_pool_with_the_same_hints(hints: RouteHints) -> None:
+    gateway = gateway_app.Gateway(
+        GatewayConfig(), routing_endpoint="tcp://127.0.0.1:9", configured_models={"m"}
+    )
+    gateway.route_hints = hints
+    short, long = body_of(100), body_of(3 * gateway_app.INLINE_HINT_BYTES)
+    headers = {"x-session-id": "s1"}
+
+    async def run() -> list[dict[str, object]]:
+        return [
+            await gateway.prefix_hints("m", short, headers),
+            await gateway.prefix_hints("m", long, headers),
+            await gateway.prefix_hints("other", long, headers),
+        ]
+
+    on_loop, pooled, uncovered = asyncio.run(run())
+    assert gateway._hint_pool is not None, "the long body went to the thread pool"
+    assert pooled == hints.hints("m", json.loads(long), headers)
+    assert on_loop == hints.hints("m", json.loads(short), headers)
+    assert pooled["block_hashes"] and pooled["session_key"] == "s1"
+    assert uncovered == {"session_key": "s1"}
+    # With the pool's queue full, a request is routed without prefix hints, not delayed.
+    gateway._hints_waiting = gateway_app.MAX_HINTS_WAITING
+    assert asyncio.run(gateway.prefix_hints("m", long, headers)) == {"session_key": "s1"}
+    gateway._hint_pool.shutdown()
