@@ -36,6 +36,7 @@ from pathlib import Path
 
 from hpcserve.router import protocol as p
 from hpcserve.router.registry import Replica
+from hpcserve.router.registry_catalog import RegistryCatalog
 
 log = logging.getLogger(__name__)
 
@@ -61,27 +62,10 @@ class AdapterSource:
         return base_model == self.base_model
 
 
-class AdapterCatalog:
-    """Adapter name -> AdapterSource, re-read from `read()` at most every `refresh_s`.
+class AdapterCatalog(RegistryCatalog[AdapterSource]):
+    """Adapter name -> AdapterSource, from the model registry (router/registry_catalog.py)."""
 
-    A name not found triggers a re-read once `miss_refresh_s` has passed since the last one,
-    so a newly added adapter is found within that time and unknown names cannot make the
-    router read the registry on every request."""
-
-    def __init__(
-        self,
-        read: Callable[[], Iterable[AdapterSource]],
-        *,
-        refresh_s: float = 30.0,
-        miss_refresh_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._read = read
-        self.refresh_s = refresh_s
-        self.miss_refresh_s = miss_refresh_s
-        self._clock = clock
-        self._adapters: dict[str, AdapterSource] = {}
-        self._read_at: float | None = None
+    what = "LoRA adapters"
 
     @classmethod
     def from_registry(cls, path: str, **kwargs: float) -> AdapterCatalog:
@@ -103,32 +87,6 @@ class AdapterCatalog:
                 ]
 
         return cls(read, **kwargs)
-
-    @classmethod
-    def empty(cls) -> AdapterCatalog:
-        return cls(list)
-
-    def get(self, name: str) -> AdapterSource | None:
-        self._refresh(self.refresh_s)
-        found = self._adapters.get(name)
-        if found is None:
-            self._refresh(self.miss_refresh_s)
-            found = self._adapters.get(name)
-        return found
-
-    def all(self) -> list[AdapterSource]:
-        self._refresh(self.refresh_s)
-        return list(self._adapters.values())
-
-    def _refresh(self, max_age_s: float) -> None:
-        now = self._clock()
-        if self._read_at is not None and now - self._read_at < max_age_s:
-            return
-        self._read_at = now
-        try:
-            self._adapters = {a.name: a for a in self._read()}
-        except Exception as err:  # a registry being written or moved must not stop routing
-            log.warning("cannot read LoRA adapters from the model registry: %s", err)
 
 
 @dataclass

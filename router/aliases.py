@@ -22,14 +22,15 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hpcserve.modelcache.registry import Alias
 from hpcserve.router import protocol as p
 from hpcserve.router.registry import Registry, Replica
+from hpcserve.router.registry_catalog import RegistryCatalog
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +43,16 @@ def sticky_draw(alias: str, key: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-class AliasCatalog:
-    """Alias name -> the registry's Alias (target, canary, share), re-read from `read()` at
-    most every `refresh_s` (and, for a name not found, once `miss_refresh_s` has passed since
-    the last read)."""
+class AliasCatalog(RegistryCatalog[Alias]):
+    """Alias name -> the registry's Alias (target, canary, share), from the model registry
+    (router/registry_catalog.py), re-read every 2 s by default: a promote takes effect soon."""
+
+    what = "aliases"
 
     def __init__(
-        self,
-        read: Callable[[], Iterable[Alias]],
-        *,
-        refresh_s: float = 2.0,
-        miss_refresh_s: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
+        self, read: Callable[[], Iterable[Alias]], *, refresh_s: float = 2.0, **kwargs: Any
     ) -> None:
-        self._read = read
-        self.refresh_s = refresh_s
-        self.miss_refresh_s = miss_refresh_s
-        self._clock = clock
-        self._aliases: dict[str, Alias] = {}
-        self._read_at: float | None = None
+        super().__init__(read, refresh_s=refresh_s, **kwargs)
 
     @classmethod
     def from_registry(cls, path: str, **kwargs: float) -> AliasCatalog:
@@ -74,36 +66,10 @@ class AliasCatalog:
 
         return cls(read, **kwargs)
 
-    @classmethod
-    def empty(cls) -> AliasCatalog:
-        return cls(list)
-
-    def get(self, name: str) -> Alias | None:
-        self._refresh(self.refresh_s)
-        found = self._aliases.get(name)
-        if found is None:
-            self._refresh(self.miss_refresh_s)
-            found = self._aliases.get(name)
-        return found
-
-    def all(self) -> list[Alias]:
-        self._refresh(self.refresh_s)
-        return list(self._aliases.values())
-
-    def _refresh(self, max_age_s: float) -> None:
-        now = self._clock()
-        if self._read_at is not None and now - self._read_at < max_age_s:
-            return
-        self._read_at = now
-        try:
-            aliases = {a.name: a for a in self._read()}
-        except Exception as err:  # a registry being written or moved must not stop routing
-            log.warning("cannot read aliases from the model registry: %s", err)
-            return
-        for name in aliases.keys() | self._aliases.keys():
-            if _describe(aliases.get(name)) != _describe(self._aliases.get(name)):
-                log.info("alias %s: %s", name, _describe(aliases.get(name)))
-        self._aliases = aliases
+    def changed(self, old: dict[str, Alias], new: dict[str, Alias]) -> None:
+        for name in new.keys() | old.keys():
+            if _describe(new.get(name)) != _describe(old.get(name)):
+                log.info("alias %s: %s", name, _describe(new.get(name)))
 
 
 def _describe(entry: Alias | None) -> str:
