@@ -148,32 +148,9 @@ class PrefixIndex:
     # --- lookups --------------------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """Replica id -> number of leading blocks of `hashes` in its cache (absent: 0)."""
-        if not hashes:
-            return {}
-        holders = self._holders
-        alive = holders.get(hashes[0], 0)
-        if not alive:
-            return {}
-        depths: dict[str, int] = {}
         ids = self._ids
-        depth = 1
-        for h in hashes[1:]:
-            still = alive & holders.get(h, 0)
-            if still != alive:
-                lost = alive & ~still
-                while lost:
-                    low = lost & -lost
-                    depths[ids[low.bit_length() - 1]] = depth  # type: ignore[index]
-                    lost ^= low
-                alive = still
-                if not alive:
-                    return depths
-            depth += 1
-        while alive:
-            low = alive & -alive
-            depths[ids[low.bit_length() - 1]] = depth  # type: ignore[index]
-            alive ^= low
-        return depths
+        slots, depths = self.match_slots(hashes)
+        return {ids[slot]: depth for slot, depth in zip(slots, depths, strict=True)}  # type: ignore[misc]
 
     def match_slots(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
         """Like `match`, by slot: (slots, matched depth of each); the decision's hot path."""
