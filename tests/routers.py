@@ -5,9 +5,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from hpcserve.config import RouterConfig
+from hpcserve.modelcache.manifest import build_manifest
+from hpcserve.modelcache.registry import Registry as ModelRegistry
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
 
@@ -36,3 +39,17 @@ def running_router(config: RouterConfig, **server_args: Any) -> Iterator[RouterS
     finally:
         server.stop()
         thread.join(5)
+
+
+def alias_registry(root: Path) -> Path:
+    """A model registry in `root` with versions docs@1 and docs@2 and the alias
+    extraction -> docs@1."""
+    source = root / "weights"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    path = root / "registry.sqlite3"
+    with ModelRegistry(path) as reg:
+        for _ in range(2):
+            reg.add_version("docs", str(source), build_manifest(source))
+        reg.set_alias("extraction", "docs@1")
+    return path

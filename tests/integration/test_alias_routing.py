@@ -17,13 +17,12 @@ from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, TenantConfig, hash_api_key
 from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Registry as ModelRegistry
 from hpcserve.router import protocol as p
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
-from tests.routers import loopback_router_config, running_router
+from tests.routers import alias_registry, loopback_router_config, running_router
 from tests.services import service, sim_engine_argv
 
 REFRESH_S = 0.2
@@ -36,16 +35,7 @@ TENANTS = [
 
 @pytest.fixture(scope="module")
 def registry_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("alias-registry")
-    source = root / "weights"
-    source.mkdir()
-    (source / "config.json").write_text("{}")
-    path = root / "registry.sqlite3"
-    with ModelRegistry(path) as reg:
-        for _ in range(2):
-            reg.add_version("docs", str(source), build_manifest(source))
-        reg.set_alias("extraction", "docs@1")
-    return path
+    return alias_registry(tmp_path_factory.mktemp("alias-registry"))
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import zmq
 
-from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Alias
 from hpcserve.modelcache.registry import Registry as ModelRegistry
 from hpcserve.router import protocol as p
 from hpcserve.router.aliases import ALIAS_NO_REPLICA, AliasCatalog, AliasRouter, sticky_draw
 from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
-from tests.routers import loopback_router_config, running_router
+from tests.routers import alias_registry, loopback_router_config, running_router
 
 
 def test_the_sticky_draw_is_fixed_per_user_and_uniform_over_users() -> None:
@@ -38,15 +37,7 @@ def test_raising_the_canary_share_only_moves_users_onto_the_canary() -> None:
 
 @pytest.fixture
 def registry_db(tmp_path: Path) -> Path:
-    source = tmp_path / "weights"
-    source.mkdir()
-    (source / "config.json").write_text("{}")
-    path = tmp_path / "registry.db"
-    with ModelRegistry(path) as reg:
-        for _ in range(2):
-            reg.add_version("docs", str(source), build_manifest(source))
-        reg.set_alias("extraction", "docs@1")
-    return path
+    return alias_registry(tmp_path)
 
 
 @pytest.fixture
