@@ -258,8 +258,10 @@ class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     concurrency_per_replica: PosInt = 32
     # Adapt that bound to the engines' reported queues (gateway/batch/concurrency.py: grow
     # while they queue nothing, back off when they queue), from concurrency_per_replica up
-    # to max_concurrency_per_replica. Off: concurrency_per_replica is fixed.
-    adaptive_concurrency: bool = True
+    # to max_concurrency_per_replica. Off (the default): concurrency_per_replica is fixed.
+    # On suits batch-only pools: measured, it raises batch throughput and, on replicas that
+    # also serve interactive traffic, that traffic's TTFT p90 many times (docs/benchmarks.md).
+    adaptive_concurrency: bool = False
     max_concurrency_per_replica: PosInt = 1024
     # Tries per request when a replica fails (unreachable, timeout, 5xx) before the error file.
     max_attempts: PosInt = 3
