@@ -6,6 +6,7 @@ until the agent reports AdapterLoaded, then routes to that replica; /v1/models m
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -36,20 +37,33 @@ def route(sock: zmq.Socket, model: str, request_id: int) -> p.RouteReply:
     return reply
 
 
-def test_an_adapter_is_loaded_on_demand_then_routed_to(lora_router: RouterServer) -> None:
-    registration = p.Register(
-        "r1", "chat", "http://127.0.0.1:9", max_adapters=2, base_model="llama"
-    )
-    agent = RegistryAgent(lora_router.config.registry_bind, registration)
+@contextmanager
+def agent_and_gateway(
+    server: RouterServer, registration: p.Register
+) -> Iterator[tuple[RegistryAgent, list[p.LoadAdapter], zmq.Socket]]:
+    """An engine agent registered with `server` (the LoadAdapters it is asked for are
+    collected) and a gateway's DEALER on the routing socket."""
+    agent = RegistryAgent(server.config.registry_bind, registration)
     asked: list[p.LoadAdapter] = []
     agent.on_load_adapter = asked.append
     gateway = zmq.Context.instance().socket(zmq.DEALER)
     gateway.setsockopt(zmq.LINGER, 0)
-    gateway.connect(lora_router.config.routing_bind)
+    gateway.connect(server.config.routing_bind)
     try:
         agent.register()
         agent.process_replies(1.0)
         assert agent.registered
+        yield agent, asked, gateway
+    finally:
+        gateway.close(0)
+        agent.close()
+
+
+def test_an_adapter_is_loaded_on_demand_then_routed_to(lora_router: RouterServer) -> None:
+    registration = p.Register(
+        "r1", "chat", "http://127.0.0.1:9", max_adapters=2, base_model="llama"
+    )
+    with agent_and_gateway(lora_router, registration) as (agent, asked, gateway):
         listed = {
             m.id: (m.replicas, m.parent) for m in list_models(lora_router.config.routing_bind)
         }
@@ -72,9 +86,6 @@ def test_an_adapter_is_loaded_on_demand_then_routed_to(lora_router: RouterServer
             m.id: (m.replicas, m.parent) for m in list_models(lora_router.config.routing_bind)
         }
         assert listed["docs-a"] == (1, "chat")
-    finally:
-        gateway.close(0)
-        agent.close()
 
 
 def test_a_release_naming_the_adapter_lets_only_idle_adapters_be_unloaded() -> None:
@@ -94,15 +105,7 @@ def test_a_release_naming_the_adapter_lets_only_idle_adapters_be_unloaded() -> N
             max_adapters=2,
             base_model="llama",
         )
-        agent = RegistryAgent(server.config.registry_bind, registration)
-        asked: list[p.LoadAdapter] = []
-        agent.on_load_adapter = asked.append
-        gateway = zmq.Context.instance().socket(zmq.DEALER)
-        gateway.setsockopt(zmq.LINGER, 0)
-        gateway.connect(server.config.routing_bind)
-        try:
-            agent.register()
-            agent.process_replies(1.0)
+        with agent_and_gateway(server, registration) as (agent, asked, gateway):
             assert route(gateway, "docs-a", 1).replica_id == "r1"  # stays in flight
             assert route(gateway, "docs-b", 2).replica_id == "r1"
             gateway.send(
@@ -112,6 +115,3 @@ def test_a_release_naming_the_adapter_lets_only_idle_adapters_be_unloaded() -> N
             assert p.routing_reply_decoder.decode(gateway.recv()).error == "adapter_loading"
             agent.process_replies(1.0)
             assert [(m.adapter, m.unload) for m in asked] == [("docs-c", ["docs-b"])]
-        finally:
-            gateway.close(0)
-            agent.close()
