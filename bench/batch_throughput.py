@@ -17,7 +17,16 @@ Engines: `--engine sim` starts a simulated fleet (hpcserve.sim.fleet: continuous
 roofline timing of `--sim-model` on `--sim-gpu`, `--time-scale` wall s per modelled s);
 `--engine vllm-cpu` starts real vLLM CPU engines on a tiny model (slow to start: minutes).
 
+Pools: by default the `--replicas` engines are one pool that serves both the batch and the
+probes. `--interactive-replicas K` makes them a batch pool (pools[].role "batch") and starts
+K more engines as an interactive pool of the same model (a second fleet process for sim):
+the router sends the batch to the batch pool and the probes to the interactive pool, and
+the direct phase drives the batch pool's engines. The engines' CPU use is reported per
+pool, so a simulator that is itself the bottleneck shows.
+
     .venv/bin/python bench/batch_throughput.py --requests 10000 --replicas 4
+    .venv/bin/python bench/batch_throughput.py --requests 10000 --replicas 4 \
+        --interactive-replicas 1 --time-scale 4
     .venv/bin/python bench/batch_throughput.py --engine vllm-cpu --replicas 1 --requests 200 \
         --prefix-words 200 --doc-words 40 --max-tokens 32
 
@@ -105,6 +114,7 @@ class Stack:
         self.write_config(args.batch_concurrency[0])
         self.procs: list[subprocess.Popen[bytes]] = []
         self.engines: list[subprocess.Popen[bytes]] = []
+        self.interactive_engines: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
 
     def write_config(self, batch_concurrency: str) -> None:
@@ -112,16 +122,28 @@ class Stack:
         registry, routing = self.registry, self.routing
         config = parse_config({
             "state_dir": str(state),
-            "router": {"registry_bind": registry, "routing_bind": routing, "metrics_port": 0},
+            "router": {"registry_bind": registry, "routing_bind": routing, "metrics_port": 0,
+                       "routing": {"batch_lend_below": args.lend_below}},
             "gateway": {"port": self.port, "upstream_timeout_s": 3600,
                         "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}]},
-            "pools": [{"name": MODEL, "model_path": "/nonexistent", "engine": "sim",
-                       "scheduling_policy": args.scheduling_policy}],
+            "pools": self.pools(),
             "batch": {**batch_bound(batch_concurrency),
                       "max_lines": max(50_000, args.requests),
                       "max_file_bytes": 2 * 1024 * 1024 * 1024},
         })  # fmt: skip
         self.config_path.write_text(dump_config(config))
+
+    def pools(self) -> list[dict[str, Any]]:
+        """The pools' config: one shared pool, or a batch pool and an interactive pool."""
+        pool = {"model_path": "/nonexistent", "engine": "sim", "served_model_name": MODEL,
+                "scheduling_policy": self.args.scheduling_policy}  # fmt: skip
+        if not self.args.interactive_replicas:
+            return [{**pool, "name": MODEL}]
+        return [{**pool, "name": f"{MODEL}-batch", "role": "batch"}, {**pool, "name": MODEL}]
+
+    @property
+    def split(self) -> bool:
+        return self.args.interactive_replicas > 0
 
     def _spawn(
         self, argv: list[str], name: str, env: dict[str, str] | None = None
@@ -135,36 +157,43 @@ class Stack:
         hpcserve = [sys.executable, "-m", "hpcserve.cli"]
         self._spawn([*hpcserve, "router", "--config", str(self.config_path)], "router")
         args = self.args
+        batch_role = "batch" if self.split else "interactive"
+        pools = [(args.replicas, batch_role, self.engines)]
+        if self.split:
+            pools.append((args.interactive_replicas, "interactive", self.interactive_engines))
         if args.engine == "sim":
-            engine = self._spawn(
-                [sys.executable, "-m", "hpcserve.sim.fleet", "--replicas", str(args.replicas),
-                 "--router", self.registry, "--served-model-name", MODEL, "--no-kv-events",
-                 "--sim-gpu", args.sim_gpu, "--sim-model", args.sim_model,
-                 "--time-scale", str(args.time_scale), "--max-num-seqs", str(args.max_num_seqs),
-                 "--default-max-tokens", str(args.max_tokens),
-                 "--scheduling-policy", args.scheduling_policy],
-                "fleet",
-            )  # fmt: skip
-            self.engines.append(engine)
+            for replicas, role, procs in pools:
+                procs.append(self._spawn(
+                    [sys.executable, "-m", "hpcserve.sim.fleet", "--replicas", str(replicas),
+                     "--router", self.registry, "--served-model-name", MODEL, "--no-kv-events",
+                     "--pool", f"{MODEL}-{role}", "--role", role,
+                     "--sim-gpu", args.sim_gpu, "--sim-model", args.sim_model,
+                     "--time-scale", str(args.time_scale),
+                     "--max-num-seqs", str(args.max_num_seqs),
+                     "--default-max-tokens", str(args.max_tokens),
+                     "--scheduling-policy", args.scheduling_policy],
+                    f"fleet-{role}",
+                ))  # fmt: skip
         else:
             from hpcserve.tinymodels import make_tiny_model
 
             model = make_tiny_model("chat", self.state / "model")
-            for i in range(args.replicas):
-                engine = self._spawn(
-                    [*hpcserve, "engine", "--engine", "vllm-cpu", "--model-path", str(model),
-                     "--served-model-name", MODEL, "--pool", MODEL, "--router", self.registry,
-                     "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
-                     "--", "--dtype", "float32", "--max-model-len", "2048",
-                     "--scheduling-policy", args.scheduling_policy],
-                    f"engine{i}",
-                    # Several CPU engines on one machine: not all pinned to core 0.
-                    env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                         "OMP_NUM_THREADS": "1"},
-                )  # fmt: skip
-                self.engines.append(engine)
+            for replicas, role, procs in pools:
+                for i in range(replicas):
+                    procs.append(self._spawn(
+                        [*hpcserve, "engine", "--engine", "vllm-cpu", "--model-path", str(model),
+                         "--served-model-name", MODEL, "--pool", f"{MODEL}-{role}",
+                         "--role", role, "--router", self.registry,
+                         "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
+                         "--", "--dtype", "float32", "--max-model-len", "2048",
+                         "--scheduling-policy", args.scheduling_policy],
+                        f"engine-{role}{i}",
+                        # Several CPU engines on one machine: not all pinned to core 0.
+                        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                             "OMP_NUM_THREADS": "1"},
+                    ))  # fmt: skip
         deadline = time.monotonic() + (60 if args.engine == "sim" else 900)
-        while len(self.replicas()) < args.replicas:
+        while len(self.replicas()) < args.replicas + args.interactive_replicas:
             assert time.monotonic() < deadline, "engines did not register in time"
             time.sleep(0.5)
         self.start_gateway()
@@ -192,20 +221,22 @@ class Stack:
                 assert time.monotonic() < deadline, "gateway did not start"
                 time.sleep(0.2)
 
-    def engine_cpu_s(self) -> float:
-        """CPU seconds of the engine processes and their children (vLLM under the engine)."""
+    def engine_cpu_s(self, interactive: bool = False) -> float:
+        """CPU seconds of the (batch pool's, or interactive pool's) engine processes and
+        all their descendants (vLLM's API server, engine core and worker under the engine)."""
         total = 0.0
-        for proc in self.engines:
-            pids = [proc.pid]
-            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-            if children.exists():
-                pids += [int(c) for c in children.read_text().split()]
-            total += sum(cpu_seconds(pid) for pid in pids)
+        pids = [proc.pid for proc in (self.interactive_engines if interactive else self.engines)]
+        while pids:
+            pid = pids.pop()
+            with contextlib.suppress(OSError):
+                total += cpu_seconds(pid)
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pids += [int(c) for c in (task / "children").read_text().split()]
         return total
 
-    def replicas(self) -> list[str]:
+    def replicas(self, role: str = "") -> list[str]:
         try:
-            return [r.url for r in list_replicas(self.routing)]
+            return [r.url for r in list_replicas(self.routing) if not role or r.role == role]
         except Exception:
             return []
 
@@ -360,13 +391,17 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
             assert response.status == 200, batch
         stop = asyncio.Event()
         ttfts = asyncio.create_task(probes(stack.url, rate, stop, None))
-        bounds: dict[str, list[float]] = {}  # the batch bound per replica, each poll
+        bounds: dict[str, list[float]] = {}  # the batch bound per replica, every 2 s
+        polls = 0
         while True:
             async with session.get(f"{stack.url}/v1/batches/{batch['id']}") as response:
                 batch = await response.json()
             if batch["status"] in ("completed", "failed", "expired", "cancelled"):
                 break
             await asyncio.sleep(0.25)
+            polls += 1
+            if polls % 8:
+                continue  # the gateway's /metrics costs it milliseconds: not every poll
             limits = await batch_limits(stack.url)
             for model, limit in limits.items():
                 bounds.setdefault(model, []).append(limit)
@@ -398,7 +433,8 @@ def summary(ttfts: list[float]) -> dict[str, float]:
 
 async def engine_counters(replicas: list[str]) -> dict[str, float]:
     wanted = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-              "vllm:num_preemptions_total")  # fmt: skip
+              "vllm:num_preemptions_total", "vllm:time_to_first_token_seconds_sum",
+              "vllm:time_to_first_token_seconds_count")  # fmt: skip
     totals = dict.fromkeys(wanted, 0.0)
     async with aiohttp.ClientSession() as session:
         for url in replicas:
@@ -411,20 +447,36 @@ async def engine_counters(replicas: list[str]) -> dict[str, float]:
 
 
 class Phase:
-    """Engine CPU use and prefix-cache hits over one phase."""
+    """Engine CPU use and prefix-cache hits over one phase, and the interactive pool's
+    engine-side TTFT (the engines' own histogram: queue + prefill, no network or gateway)."""
 
     def __init__(self, stack: Stack, replicas: list[str]) -> None:
         self.stack, self.replicas = stack, replicas
+        self.interactive = stack.replicas("interactive") if stack.split else []
 
     async def __aenter__(self) -> Phase:
         self.cpu = self.stack.engine_cpu_s()
+        self.interactive_cpu = self.stack.engine_cpu_s(interactive=True)
+        self.router_cpu = cpu_seconds(self.stack.procs[0].pid)
         self.counters = await engine_counters(self.replicas)
+        self.interactive_counters = await engine_counters(self.interactive)
         self.started = time.perf_counter()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         wall = time.perf_counter() - self.started
         counters = await engine_counters(self.replicas)
+        ttft = await engine_counters(self.interactive)
+        ttft_n = (
+            ttft["vllm:time_to_first_token_seconds_count"]
+            - self.interactive_counters["vllm:time_to_first_token_seconds_count"]
+        )
+        ttft_s = (
+            ttft["vllm:time_to_first_token_seconds_sum"]
+            - self.interactive_counters["vllm:time_to_first_token_seconds_sum"]
+        )
+        # The simulator's histograms are in modelled seconds: x time scale is wall time.
+        scale = self.stack.args.time_scale if self.stack.args.engine == "sim" else 1.0
         queries = (
             counters["vllm:prefix_cache_queries_total"]
             - self.counters["vllm:prefix_cache_queries_total"]
@@ -434,15 +486,23 @@ class Phase:
         )
         self.result = {
             "engine_cpu_util": (self.stack.engine_cpu_s() - self.cpu) / wall,
+            "interactive_engine_cpu_util": (
+                self.stack.engine_cpu_s(interactive=True) - self.interactive_cpu
+            )
+            / wall,
+            "router_cpu_util": (cpu_seconds(self.stack.procs[0].pid) - self.router_cpu) / wall,
+            "loadavg": os.getloadavg(),
             "prefix_cache_hit_rate": hits / queries if queries else None,
             "preemptions": counters["vllm:num_preemptions_total"]
             - self.counters["vllm:num_preemptions_total"],
+            "interactive_engine_ttft_mean_ms": 1000 * scale * ttft_s / ttft_n if ttft_n else None,
         }
 
 
 async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
     bodies = requests_of(args)
-    replicas = stack.replicas()
+    # The engines the batch runs on: the batch pool's when there is one.
+    replicas = stack.replicas("batch" if stack.split else "")
     directs = []
     for concurrency in args.direct_concurrency:
         async with Phase(stack, replicas) as phase:
@@ -454,7 +514,8 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             f"direct at {concurrency}/replica: {run['tokens_per_s']:,.0f} tokens/s", file=sys.stderr
         )
     direct_run = max(directs, key=lambda r: r["tokens_per_s"])
-    idle = await probes(stack.url, args.probe_rate, asyncio.Event(), args.idle_probes)
+    async with Phase(stack, replicas) as idle_phase:
+        idle = await probes(stack.url, args.probe_rate, asyncio.Event(), args.idle_probes)
     print(f"idle probes: p90 {summary(idle)['p90_ms']:.1f} ms", file=sys.stderr)
     batches = []
     for i, concurrency in enumerate(args.batch_concurrency):
@@ -464,6 +525,7 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             batch = await run_batch(stack, bodies, args.probe_rate)
         batch.update(phase.result)
         batch["concurrency_per_replica"] = concurrency
+        batch["ttft_ms"] = [round(1000 * t, 2) for t in batch["ttft"]]  # in sending order
         batch["ttft"] = summary(batch["ttft"])
         print(
             f"batch at {concurrency}/replica: {batch['tokens_per_s']:,.0f} tokens/s, "
@@ -475,6 +537,8 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
         "direct": direct_run,
         "directs": directs,
         "idle_ttft": summary(idle),
+        "idle_ttft_ms": [round(1000 * t, 2) for t in idle],
+        "idle_phase": idle_phase.result,
         "batches": batches,
     }
 
@@ -482,7 +546,21 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=["sim", "vllm-cpu"], default="sim")
-    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument(
+        "--replicas", type=int, default=4, help="the batch's engines (the batch pool, if split)"
+    )
+    parser.add_argument(
+        "--interactive-replicas",
+        type=int,
+        default=0,
+        help="> 0: the --replicas engines are a batch pool and these an interactive pool",
+    )
+    parser.add_argument(
+        "--lend-below",
+        type=int,
+        default=0,
+        help="router.routing.batch_lend_below: batch may borrow idle interactive replicas",
+    )
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--families", type=int, default=8)
     parser.add_argument("--prefix-words", type=int, default=2_900)
@@ -548,6 +626,9 @@ def main() -> None:
                 "ttft_p90_vs_idle": p90 / idle_p90 - 1,
                 "gateway_cpu_s": med([b["gateway_cpu_s"] for b in runs]),
                 "engine_cpu_util": med([b["engine_cpu_util"] for b in runs]),
+                "interactive_engine_cpu_util": med(
+                    [b["interactive_engine_cpu_util"] for b in runs]
+                ),
                 # the bound per replica the batch ran at: median and last (adaptive: adapted)
                 "bound_median": med([med(b["bound_per_replica"] or [0]) for b in runs]),
                 "bound_last": med([(b["bound_per_replica"] or [0])[-1] for b in runs]),
@@ -582,17 +663,23 @@ def main() -> None:
             "batches": table,
         },
     }
-    print("| direct concurrency per replica | tokens/s |\n|---|---|")
+    print(
+        "| direct concurrency per replica | tokens/s | batch engines' CPU (cores) |\n|---|---|---|"
+    )
     for run in rounds[0]["directs"]:
-        print(f"| {run['concurrency_per_replica']} | {run['tokens_per_s']:,.0f} |")
+        print(
+            f"| {run['concurrency_per_replica']} | {run['tokens_per_s']:,.0f} "
+            f"| {run['engine_cpu_util']:.2f} |"
+        )
     print(
         f"\ndirect (engines' maximum, at {best}/replica): {direct_tps:,.0f} tokens/s; "
         f"interactive TTFT idle: "
         f"p50 {idle_p50:.1f} ms, p90 {idle_p90:.1f} ms\n"
     )
     print("| batch concurrency per replica | bound (median, last) | batch tokens/s | of direct "
-          "| TTFT p50 | TTFT p90 | p90 vs idle | gateway CPU |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| TTFT p50 | TTFT p90 | p90 vs idle | gateway CPU "
+          "| engines' CPU (batch, interactive) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in table:
         print(
             f"| {row['concurrency_per_replica']} "
@@ -600,7 +687,8 @@ def main() -> None:
             f"| {row['batch_tokens_per_s']:,.0f} "
             f"| {row['share_of_direct']:.1%} | {row['ttft_p50_ms']:.1f} ms "
             f"| {row['ttft_p90_ms']:.1f} ms | {row['ttft_p90_vs_idle']:+.0%} "
-            f"| {row['gateway_cpu_s']:.1f} s |"
+            f"| {row['gateway_cpu_s']:.1f} s "
+            f"| {row['engine_cpu_util']:.2f}, {row['interactive_engine_cpu_util']:.2f} |"
         )
     tag = f"-{args.tag}" if args.tag else ""
     out = ROOT / "bench" / "results" / f"batch_throughput-{args.engine}{tag}.json"

@@ -22,9 +22,7 @@ Prints a markdown table and writes bench/results/gateway_feature_cpu.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult  # noq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 from bench.proxy_overhead import CHAT_BODY, KEY  # noqa: E402
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import ApiKey, TenantConfig, hash_api_key  # noqa: E402
 from hpcserve.gateway import validate  # noqa: E402
 from hpcserve.gateway.auth import KeyRing  # noqa: E402
@@ -202,18 +201,10 @@ def main() -> None:
         us = statistics.median(values)
         print(f"| {feature} | {how} | {us:.1f} us |")
         rows.append({"feature": feature, "how": how, "cpu_us": us})
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
-        f"Python {platform.python_version()}",
-        "command": " ".join(["bench/gateway_feature_cpu.py", *sys.argv[1:]]),
-        "load_before": load_before,
-        "load_after": load_after,
-    }
-    (out / "gateway_feature_cpu.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
+    write_results(
+        "gateway_feature_cpu",
+        {"rows": rows},
+        {"load_before": load_before, "load_after": load_after},
     )
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -35,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 
 from bench.http_wait import wait_http  # noqa: E402
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.router import protocol as p  # noqa: E402
@@ -146,7 +145,8 @@ def main() -> None:
             agent.register()
             while not stop.is_set():
                 agent.heartbeat(p.ReplicaLoad())
-                agent.process_replies(1.0)
+                agent.process_replies(1.0)  # returns at the ack: not a sleep
+                stop.wait(1.0)
 
         def sample() -> None:
             started = time.monotonic()
@@ -188,15 +188,7 @@ def main() -> None:
         "rss_samples": [[round(t, 1), round(r, 1)] for t, r in samples],
     }
     print(json.dumps({k: v for k, v in summary.items() if k != "rss_samples"}, indent=2))
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}",
-        "command": " ".join(["bench/gateway_soak.py", *sys.argv[1:]]),
-    }
-    (out / "gateway_soak.json").write_text(json.dumps({"meta": meta, **summary}, indent=2) + "\n")
+    write_results("gateway_soak", summary)
     if growth > 0.05 or server_errors or cut:
         sys.exit(1)
 

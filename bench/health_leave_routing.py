@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import RouterConfig  # noqa: E402
 from hpcserve.router.client import list_replicas  # noqa: E402
 from hpcserve.router.server import RouterServer  # noqa: E402
@@ -111,17 +111,10 @@ def main() -> None:
         print(
             f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} |"
         )
-    out = ROOT / "bench" / "results" / "health_leave_routing.json"
-    out.write_text(
-        json.dumps(
-            {
-                "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-                "lease_s": LEASE_S,
-                "heartbeat_s": HEARTBEAT_S,
-                "seconds": results,
-            },
-            indent=2,
-        )
+    write_results(
+        "health_leave_routing",
+        {"lease_s": LEASE_S, "heartbeat_s": HEARTBEAT_S, "seconds": results},
+        {"trials": args.trials},
     )
 
 

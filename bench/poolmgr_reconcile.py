@@ -15,9 +15,6 @@ writes bench/results/poolmgr_reconcile.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import parse_config  # noqa: E402
 from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec  # noqa: E402
 from hpcserve.poolmgr.manager import PoolManager  # noqa: E402
@@ -111,18 +109,7 @@ def main() -> None:
             f"| {row['jobs']} | {row['cpu_ms']:.1f} ms | {row['wall_ms']:.1f} ms | "
             f"{row['squeue_per_pass']:.0f} |"
         )
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} cores, "
-        f"{platform.machine()}, Python {platform.python_version()}, Slurm {release}",
-        "command": " ".join(["bench/poolmgr_reconcile.py", *sys.argv[1:]]),
-        "passes": args.passes,
-    }
-    (out / "poolmgr_reconcile.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
-    )
+    write_results("poolmgr_reconcile", {"rows": rows}, {"slurm": release, "passes": args.passes})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import GatewayConfig  # noqa: E402
 from hpcserve.gateway import app as gateway_app  # noqa: E402
 from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints  # noqa: E402
@@ -102,18 +102,8 @@ def main() -> None:
             f"| {r['prompt_kb']} KB | {r['where']} | {r['wall_ms']:.1f} ms "
             f"| {r['worst_stall_ms']:.1f} ms |"
         )
-    out = ROOT / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    meta = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{os.cpu_count()} cores, {platform.machine()}, "
-        f"Python {platform.python_version()}",
-        "command": " ".join(["bench/prefix_hints_stall.py", *sys.argv[1:]]),
-        "load_before": load_before,
-        "load_after": load_after,
-    }
-    (out / "prefix_hints_stall.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
+    write_results(
+        "prefix_hints_stall", {"rows": rows}, {"load_before": load_before, "load_after": load_after}
     )
 
 

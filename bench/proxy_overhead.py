@@ -457,7 +457,8 @@ def main() -> None:
             agent.register()
             while not stop.is_set():
                 agent.heartbeat(p.ReplicaLoad())
-                agent.process_replies(1.0)
+                agent.process_replies(1.0)  # returns at the ack: not a sleep
+                stop.wait(1.0)
 
         beat = threading.Thread(target=heartbeat, daemon=True)
         beat.start()

@@ -10,8 +10,13 @@ One process, one core, no sockets in the measured paths:
   p50/p99 over DECISIONS; also the request-side hashing of such a prompt.
 
     .venv/bin/python bench/router_cost.py [--replicas 1000] [--blocks 1000000]
+        [--rounds 3] [--baseline GIT_REV]
 
-Prints a markdown table and writes bench/results/router_cost.json.
+Each round runs in a fresh worker process (this script with --worker). With --baseline,
+every round also runs the same measurements against the code of GIT_REV (exported with
+`git archive` to a temporary directory, imported instead of the working tree),
+interleaved with the current code's, so both sides see the same machine load. Figures are
+medians over the rounds. Prints a markdown table and writes bench/results/router_cost.json.
 """
 
 from __future__ import annotations
@@ -22,14 +27,21 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import tomllib
 import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if "--code" in sys.argv:  # a worker measuring another revision: its packages come first
+    sys.path.insert(0, sys.argv[sys.argv.index("--code") + 1])
+else:
+    sys.path.insert(0, str(ROOT))
 
 from hpcserve.config import RoutingConfig  # noqa: E402
 from hpcserve.router import kv_wire as kw  # noqa: E402
@@ -88,41 +100,39 @@ def calibration_s() -> float:
     return time.process_time() - started
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--replicas", type=int, default=1000)
-    ap.add_argument("--blocks", type=int, default=1_000_000)
-    ap.add_argument("--decisions", type=int, default=20_000)
-    ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+def measure(args: argparse.Namespace) -> dict:
+    """One round in this process: ingest (decode + index, and decode alone), the index's
+    memory (with --memory), decisions."""
     rng = random.Random(42)
     payloads, docs = make_payloads(args.replicas, args.blocks, rng)
     total_blocks = len(payloads) * DOC_BLOCKS
 
-    # Ingest, apply + decode, each round on a fresh index.
-    rates, apply_rates = [], []
-    for _ in range(args.rounds):
+    gc.collect()
+    decode_s = ingest(PrefixIndex(), payloads, decode_only=True)
+    index = PrefixIndex()
+    gc.collect()
+    seconds = ingest(index, payloads)
+    result = {
+        "ingest_blocks_per_s": total_blocks / seconds,
+        "ingest_apply_only_blocks_per_s": total_blocks / max(seconds - decode_s, 1e-9),
+    }
+    del index
+
+    if args.memory:
         gc.collect()
-        decode_s = ingest(PrefixIndex(), payloads, decode_only=True)
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
         index = PrefixIndex()
+        ingest(index, payloads)
         gc.collect()
-        seconds = ingest(index, payloads)
-        rates.append(total_blocks / seconds)
-        apply_rates.append(total_blocks / max(seconds - decode_s, 1e-9))
+        held = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.stop()
+        result["bytes_per_indexed_block"] = held / total_blocks
         del index
 
-    # Memory of the index, traced.
-    gc.collect()
-    tracemalloc.start()
-    base = tracemalloc.get_traced_memory()[0]
+    # Decisions over a freshly built index.
     index = PrefixIndex()
     ingest(index, payloads)
-    gc.collect()
-    held = tracemalloc.get_traced_memory()[0] - base
-    tracemalloc.stop()
-    bytes_per_block = held / total_blocks
-
-    # Decisions over the same index.
     registry = Registry(lease_s=1e9)
     subscriber = KvEventSubscriber(index, clock=time.monotonic)
     decider = Decider(
@@ -160,7 +170,6 @@ def main() -> None:
         hashes = prompt_block_hashes(tokens, BS)
         hash_times.append(time.perf_counter() - t0)
         msgs.append(p.Route(1, "m", block_hashes=hashes, block_size=BS, prompt_tokens=len(tokens)))
-    hits = 0
     lat = []
     cpu_started = time.process_time()
     for i in range(args.decisions):
@@ -169,24 +178,125 @@ def main() -> None:
         replica = decider.pick(msg, 0.0)
         lat.append(time.perf_counter() - t0)
         assert replica is not None
-        hits += i % 2
         registry.released(replica.replica_id)
     cpu_per_decision = (time.process_time() - cpu_started) / args.decisions
     distinct = len(index)
     subscriber.close()  # (drops every replica from the index)
+    cold, doc = sorted(lat[0::2]), sorted(lat[1::2])  # prompts alternate: cold, document
     lat.sort()
+    result.update(
+        indexed_blocks=total_blocks,
+        distinct_block_hashes=distinct,
+        decision_p50_us=lat[len(lat) // 2] * 1e6,
+        decision_p99_us=lat[int(len(lat) * 0.99)] * 1e6,
+        decision_cold_prompt_p50_us=cold[len(cold) // 2] * 1e6,
+        decision_document_prompt_p50_us=doc[len(doc) // 2] * 1e6,
+        decision_cpu_mean_us=cpu_per_decision * 1e6,
+        request_hashing_2048_tokens_p50_us=statistics.median(hash_times) * 1e6,
+    )
+    return result
+
+
+def export_revision(rev: str, into: Path) -> Path:
+    """GIT_REV's packages laid out as an importable tree (`hpcserve/router/...`, as the
+    editable install maps them); the working tree and the index are not touched."""
+    tree = into / "tree"
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", rev], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    site = into / "site"
+    site.mkdir()
+    pyproject = tomllib.loads((tree / "pyproject.toml").read_text())
+    package_dirs = pyproject["tool"]["setuptools"]["package-dir"]
+    shutil.move(tree / package_dirs["hpcserve"], site / "hpcserve")
+    for package, folder in package_dirs.items():
+        if package != "hpcserve" and (tree / folder).is_dir():
+            shutil.move(tree / folder, site / package.replace(".", "/"))
+    return site
+
+
+def run_worker(args: argparse.Namespace, code: Path | None, memory: bool) -> dict:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker"]
+    argv += ["--replicas", str(args.replicas), "--blocks", str(args.blocks)]
+    argv += ["--decisions", str(args.decisions)]
+    if memory:
+        argv.append("--memory")
+    if code is not None:
+        argv += ["--code", str(code)]
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def median_of(rounds: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rounds if key in r)
+
+
+def summarize(rounds: list[dict]) -> dict:
+    keys = [k for k in rounds[0] if k not in ("indexed_blocks", "distinct_block_hashes")]
+    out = {k: median_of(rounds, k) for k in keys}
+    out["bytes_per_indexed_block"] = median_of(rounds, "bytes_per_indexed_block")
+    out["rounds"] = rounds
+    return out
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+ROWS = [
+    ("decision p50", "decision_p50_us", "{:.1f} us", "< 100 us"),
+    ("decision p99", "decision_p99_us", "{:.1f} us", ""),
+    ("decision p50, cold prompts (no cached prefix)", "decision_cold_prompt_p50_us",
+     "{:.1f} us", ""),
+    ("decision p50, prompts opening with an indexed document",
+     "decision_document_prompt_p50_us", "{:.1f} us", ""),
+    ("decision, mean CPU (incl. release)", "decision_cpu_mean_us", "{:.1f} us", ""),
+    ("ingest (decode + index)", "ingest_blocks_per_s", "{:,.0f} blocks/s", ">= 500,000"),
+    ("ingest (index only)", "ingest_apply_only_blocks_per_s", "{:,.0f} blocks/s", ""),
+    ("memory per indexed block", "bytes_per_indexed_block", "{:.0f} B", "<= 256 B"),
+    ("request hashing, 2,048 tokens", "request_hashing_2048_tokens_p50_us", "{:.1f} us", ""),
+]  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replicas", type=int, default=1000)
+    ap.add_argument("--blocks", type=int, default=1_000_000)
+    ap.add_argument("--decisions", type=int, default=20_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--baseline", default="", help="a git revision to measure side by side")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--memory", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--code", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(measure(args)))
+        return
+
+    load_before = load_average()
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="router-cost-") as tmp:
+        baseline_code = export_revision(args.baseline, Path(tmp)) if args.baseline else None
+        current: list[dict] = []
+        baseline: list[dict] = []
+        for r in range(args.rounds):
+            if baseline_code is not None:
+                baseline.append(run_worker(args, baseline_code, memory=r == 0))
+            current.append(run_worker(args, None, memory=r == 0))
+            print(f"round {r + 1}/{args.rounds} done, load {load_average()}", file=sys.stderr)
     result = {
         "replicas": args.replicas,
-        "indexed_blocks": total_blocks,
-        "distinct_block_hashes": distinct,
-        "ingest_blocks_per_s_median": statistics.median(rates),
-        "ingest_apply_only_blocks_per_s_median": statistics.median(apply_rates),
-        "bytes_per_indexed_block": bytes_per_block,
-        "decision_p50_us": lat[len(lat) // 2] * 1e6,
-        "decision_p99_us": lat[int(len(lat) * 0.99)] * 1e6,
-        "decision_cpu_mean_us": cpu_per_decision * 1e6,
-        "request_hashing_2048_tokens_p50_us": statistics.median(hash_times) * 1e6,
+        "indexed_blocks": current[0]["indexed_blocks"],
+        "distinct_block_hashes": current[0]["distinct_block_hashes"],
+        "current": summarize(current),
+        "baseline_revision": args.baseline or None,
+        "baseline": summarize(baseline) if baseline else None,
         "calibration_loop_s": calibration_s(),
+        "load_average_1_5_15_before": load_before,
+        "load_average_1_5_15_after": load_average(),
+        "wall_s": round(time.time() - started, 1),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"Python {platform.python_version()}",
         "command": " ".join(["bench/router_cost.py", *sys.argv[1:]]),
@@ -194,20 +304,20 @@ def main() -> None:
     out = ROOT / "bench" / "results" / "router_cost.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print("| metric | value | goal |")
-    print("|---|---|---|")
-    print(f"| replicas / indexed blocks | {args.replicas} / {total_blocks:,} | 1,000 / 1,000,000 |")
-    print(f"| decision p50 | {result['decision_p50_us']:.1f} us | < 100 us |")
-    print(f"| decision p99 | {result['decision_p99_us']:.1f} us | |")
-    print(f"| decision, mean CPU (incl. release) | {result['decision_cpu_mean_us']:.1f} us | |")
-    print(f"| ingest (decode + index), median of {args.rounds} | "
-          f"{result['ingest_blocks_per_s_median']:,.0f} blocks/s | >= 500,000 |")  # fmt: skip
-    print(f"| ingest (index only) | {result['ingest_apply_only_blocks_per_s_median']:,.0f} "
-          "blocks/s | |")  # fmt: skip
-    print(f"| memory per indexed block | {bytes_per_block:.0f} B | <= 256 B |")
+    cur, base = result["current"], result["baseline"]
+    print(f"{args.replicas} replicas, {result['indexed_blocks']:,} indexed blocks; medians of "
+          f"{args.rounds} rounds; load average {load_before} before, "
+          f"{result['load_average_1_5_15_after']} after\n")  # fmt: skip
+    head = (
+        f"| metric | {args.baseline} (before) | now | goal |" if base else "| metric | now | goal |"
+    )
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    for label, key, fmt, goal in ROWS:
+        now = fmt.format(cur[key])
+        print(f"| {label} | {fmt.format(base[key])} | {now} | {goal} |" if base
+              else f"| {label} | {now} | {goal} |")  # fmt: skip
     print(f"| calibration: 10M-iteration Python loop | {result['calibration_loop_s']:.2f} s | |")
-    print(f"| request hashing, 2,048 tokens | "
-          f"{result['request_hashing_2048_tokens_p50_us']:.1f} us | |")  # fmt: skip
 
 
 if __name__ == "__main__":

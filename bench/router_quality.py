@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import sys
 import urllib.request
 from dataclasses import asdict
@@ -31,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from bench.simfleet import sim_stack  # noqa: E402
 from bench.workload import SLO, build, run_workload, summarize  # noqa: E402
 
@@ -97,7 +96,7 @@ def main() -> None:
     ]
     oracles: dict[tuple[str, int], float] = {}
     for workload, rep, policy in cells:
-        for attempt in (1, 2):  # a fleet that fails to register (seen once in ~30) gets one retry
+        for attempt in (1, 2):  # a stack that fails to start (a port taken) gets one retry
             try:
                 row = run_cell(args, workload, rep, policy, oracles)
                 break
@@ -106,7 +105,8 @@ def main() -> None:
         else:
             continue
         rows.append(row)
-        write_results(args, rows)
+        name = "router_quality" + (f"-{args.suffix}" if args.suffix else "")
+        write_results(name, {"rows": rows})  # after every cell: a failed run keeps the rest
 
 
 def run_cell(
@@ -156,19 +156,6 @@ def run_cell(
         flush=True,
     )
     return row
-
-
-def write_results(args: argparse.Namespace, rows: list[dict]) -> None:
-    out = {
-        "rows": rows,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
-        "command": " ".join(["bench/router_quality.py", *sys.argv[1:]]),
-        "load_average_end": Path("/proc/loadavg").read_text().split()[:3],
-    }
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    name = "router_quality" + (f"-{args.suffix}" if args.suffix else "")
-    (ROOT / "bench" / "results" / f"{name}.json").write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.http_wait import wait_http  # noqa: E402
-from bench.simfleet import machine  # noqa: E402
+from bench.results import load_average, write_results  # noqa: E402
 from bench.workload import (  # noqa: E402
     SLO,
     Lengths,
@@ -69,10 +69,10 @@ from bench.workload import (  # noqa: E402
     summarize,
 )
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.ports import free_ports  # noqa: E402
 from hpcserve.router.client import list_replicas  # noqa: E402
 from hpcserve.sim.tokenizer import load_tokenizer  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 from tests.services import stop  # noqa: E402
 
 API_KEY = "sk-router-quality-vllm"
@@ -257,13 +257,16 @@ def engines(args: argparse.Namespace, work: Path) -> Iterator[Fleet]:
         engine_args += ["--dtype", "float32", "--enforce-eager"]
     else:
         engine_args += ["--block-size", str(BLOCK)]
+    # Kept for the whole run while the router and gateway restart per policy: from below
+    # the ephemeral range, where no outgoing connection takes them between two runs.
+    registry, routing, gateway, metrics = free_ports(4, "127.0.0.1")
     fleet = Fleet(
         work=work,
         model_dir=model_dir,
-        registry=f"tcp://127.0.0.1:{free_port()}",
-        routing=f"tcp://127.0.0.1:{free_port()}",
-        gateway_port=free_port(),
-        router_metrics_port=free_port(),
+        registry=f"tcp://127.0.0.1:{registry}",
+        routing=f"tcp://127.0.0.1:{routing}",
+        gateway_port=gateway,
+        router_metrics_port=metrics,
         engine=args.engine,
         engine_args=engine_args,
         engine_urls=[],
@@ -390,10 +393,7 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     meta = {
-        "machine": machine(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "command": " ".join(["bench/router_quality_vllm.py", *sys.argv[1:]]),
-        "load_average_start": Path("/proc/loadavg").read_text().split()[:3],
+        "load_average_start": load_average(),
         "engine": args.engine,
         "model_size": args.size,
         "kv_blocks_per_replica": args.kv_blocks,
@@ -438,7 +438,7 @@ def main() -> None:
                         "of_oracle": out["hit_rate"] / oracle if oracle else 0.0,
                         "max_replica_share": max(out["replica_share"]),
                         "replica_share": out["replica_share"],
-                        "load_average": Path("/proc/loadavg").read_text().split()[:3],
+                        "load_average": load_average(),
                         **s,
                     }
                     rows.append(row)
@@ -451,11 +451,8 @@ def main() -> None:
                         f"{row['blocks_removed']:.0f} | {s['ok']}/{s['requests']} |",
                         flush=True,
                     )
-    meta["load_average_end"] = Path("/proc/loadavg").read_text().split()[:3]
     name = "router_quality_vllm" + (f"-{args.suffix}" if args.suffix else "")
-    out_path = ROOT / "bench" / "results" / f"{name}.json"
-    out_path.parent.mkdir(exist_ok=True)
-    out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    write_results(name, {"rows": rows}, meta)
 
 
 if __name__ == "__main__":

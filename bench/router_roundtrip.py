@@ -1,22 +1,26 @@
-"""What a routing decision adds to a request, seen from a gateway process.
+"""What a routing decision adds to a request, seen from a gateway process, with the router's
+routing socket as libzmq's ROUTER and as ZMTP on plain sockets (router/zmtp.py), side by side.
 
-The router runs in its own process (as deployed), with REPLICAS replicas registered (no KV
-events: approximate mode remembers routed prefixes). A DEALER in this process plays the
-gateway, one request at a time, interleaved by case, ROUNDS rounds of N requests:
+Two routers run in their own processes (as deployed), pinned to core 1 (`--router-core`),
+one per routing socket, each with REPLICAS replicas registered (no KV events, no heartbeats).
+Interleaved by case (the order alternating by round), ROUNDS rounds of N requests, medians:
 
-- route: Route(model) -> RouteReply, then Release (two sends; what the gateway does today);
-- route+hashes: the same with the prefix fields of a 2,048-token prompt (128 block hashes);
-- folded: Route with the previous request's Release folded in (`Route.released`): one send;
+1. A blocking libzmq DEALER in this process, one request at a time: Route then Release (two
+   sends), the same with the prefix fields of a 2,048-token prompt (128 block hashes), and
+   Route with the previous Release folded in (one send): p50/p99 round trip, client CPU.
+2. The gateway's own client (gateway/routing_client.py on uvloop, this process pinned to core
+   0): `route()` then `release()` per request at concurrency 1 and 64: p50/p99 of `route()`,
+   CPU per request of this process and of the router (from /proc), requests/s.
+3. `--ladder`: the gateway itself (bench/proxy_overhead.py's gateway, its "+ routing" rung,
+   pinned to core 0) in front of nginx, driven by wrk on core 1, against each router, beside
+   its "+ quotas" rung (the same gateway with a fixed upstream, no router): chat p50 at c=1
+   and c=64, req/s, gateway and router CPU per request.
 
-p50/p99 round trip, and the gateway-side CPU per request (process time of this process).
-Then the gateway's own client, as the gateway runs it: gateway/routing_client.py on uvloop,
-`route()` then `release()` per request, at concurrency 1 and 64 (the Routes of one loop
-iteration leave as one message), with this process pinned to core 0 and the router to
-core 1; p50/p99 of `route()`, CPU per request of both sides (from /proc), requests/s.
-Also the gateway-side cost of the prefix fields themselves: RouteHints.hints (chat
-template + tokenizer + chained hashes) for a ~2,000-token chat prompt on the tiny chat model.
+Also the gateway-side cost of the prefix fields themselves: RouteHints.hints (chat template +
+tokenizer + chained hashes) for a ~2,000-token chat prompt on the tiny chat model.
 
-    .venv/bin/python bench/router_roundtrip.py [--rounds 3] [--requests 3000]
+    .venv/bin/python bench/router_roundtrip.py [--rounds 3] [--requests 3000] [--ladder]
+        [--seconds 4] [--router-core 1]
 
 Writes bench/results/router_roundtrip.json.
 """
@@ -29,34 +33,39 @@ import multiprocessing
 import os
 import platform
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import zmq  # noqa: E402
 
-from hpcserve.config import RouterConfig  # noqa: E402
+from bench import proxy_overhead as ladder  # noqa: E402
+from bench.http_wait import wait_http  # noqa: E402
+from hpcserve.config import RouterConfig, dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.router import protocol as p  # noqa: E402
 from hpcserve.router.prefix_hash import prompt_block_hashes  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 REPLICAS = 8
+MODEL = ladder.MODEL
+SOCKETS = ("libzmq", "zmtp")
 
 
-def serve(config: RouterConfig) -> None:
+def serve(config: RouterConfig, routing_socket: str, core: int = 1) -> None:
     from hpcserve.router.server import RouterServer
 
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {1})
+        os.sched_setaffinity(0, {core})
 
-    RouterServer(config).serve_forever()
+    RouterServer(config, routing_socket=routing_socket).serve_forever()
 
 
 def measure(sock: zmq.Socket, make, n: int, release: bool) -> tuple[list[float], float]:
@@ -81,72 +90,20 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class ZmqAsyncioClient:
-    """The previous gateway client, for comparison in the same run: a zmq.asyncio DEALER, a
-    reader task matching replies to futures, one message per Route and per Release."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-
-    async def start(self) -> None:
-        import asyncio
-        import itertools
-
-        import zmq.asyncio
-
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(self.endpoint)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future] = {}
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            reply = p.routing_reply_decoder.decode(await self._sock.recv())
-            future = self._pending.pop(reply.request_id, None)
-            if future is not None and not future.done():
-                future.set_result(reply)
-
-    async def route(self, model: str) -> p.RouteReply:
-        import asyncio
-
-        request_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[request_id] = future
-        async with asyncio.timeout(5.0):
-            await self._sock.send(p.encode(p.Route(request_id, model)))
-            return await future
-
-    def release(self, replica_id: str) -> None:
-        self._sock.send(p.encode(p.Release(replica_id)), zmq.NOBLOCK)
-
-    async def close(self) -> None:
-        import asyncio
-
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
-        self._sock.close(0)
-        self._ctx.term()
-
-
-async def client_case(
-    endpoint: str, router_pid: int, n: int, concurrency: int, baseline: bool = False
-) -> dict:
+async def client_case(endpoint: str, router_pid: int, n: int, concurrency: int) -> dict:
     """The gateway's RoutingClient: route() + release() per request, `concurrency` at once."""
     import asyncio
 
     from hpcserve.gateway.routing_client import RoutingClient
 
-    client: Any = ZmqAsyncioClient(endpoint) if baseline else RoutingClient(endpoint, timeout_s=5.0)
+    client = RoutingClient(endpoint, timeout_s=5.0)
     await client.start()
     lat: list[float] = []
 
     async def worker(count: int) -> None:
         for _ in range(count):
             t0 = time.perf_counter()
-            reply = await client.route("m")
+            reply = await client.route(MODEL)
             lat.append(time.perf_counter() - t0)
             await asyncio.sleep(0)  # the relay would run here
             client.release(reply.replica_id)
@@ -193,83 +150,190 @@ def hints_cost() -> float:
         return statistics.median(times)
 
 
+def ladder_case(
+    work: Path,
+    routers: dict[str, tuple[RouterConfig, int]],
+    upstream: str,
+    args: argparse.Namespace,
+) -> dict[str, dict[str, float]]:
+    """bench/proxy_overhead.py's gateway: its + quotas rung and its + routing rung per router."""
+    keys = [{"tenant": "bench", "sha256": hash_api_key(ladder.KEY)}]
+    limits = {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
+    targets: dict[str, tuple[str, int, int]] = {}  # name -> url, gateway pid, router pid
+    procs = []
+    try:
+        for name, feature, router in [
+            ("+ quotas (no router)", "quotas", "zmtp"),
+            *((f"+ routing, {s} router", "routing", s) for s in SOCKETS),
+        ]:
+            config, router_pid = routers[router]
+            port = free_port()
+            platform_config = parse_config({
+                "router": {"registry_bind": config.registry_bind,
+                           "routing_bind": config.routing_bind, "metrics_port": 0},
+                "gateway": {"port": port, "api_keys": keys,
+                            "tenants": [{"name": "bench", **limits}]},
+            })  # fmt: skip
+            path = work / f"gateway-{feature}-{router}.toml"
+            path.write_text(dump_config(platform_config))
+            proc = subprocess.Popen(
+                ["taskset", "-c", "0", sys.executable, str(ROOT / "bench" / "proxy_overhead.py"),
+                 "--serve-gateway", str(path), feature, upstream],
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            procs.append(proc)
+            targets[name] = (f"http://127.0.0.1:{port}", proc.pid, router_pid)
+        for url, _, _ in targets.values():
+            wait_http(url + "/health")
+        time.sleep(2.5)  # each routing client has the router's replica list
+        body = work / "chat.json"
+        body.write_bytes(ladder.CHAT_BODY)
+        runs: dict[str, list[dict[str, float]]] = {}
+        for round_no in range(args.rounds):
+            for conns in (1, 64):
+                # Every other round in reverse: no target always runs first (or last).
+                order = list(targets.items())[:: 1 if round_no % 2 == 0 else -1]
+                for name, (url, pid, router_pid) in order:
+                    cpu0, router0 = cpu_seconds(pid), cpu_seconds(router_pid)
+                    r = ladder.run_wrk(
+                        url + "/v1/chat/completions", body, conns, args.seconds, stream=False
+                    )
+                    served = r["rps"] * args.seconds
+                    r["cpu_us"] = (cpu_seconds(pid) - cpu0) / served * 1e6
+                    r["router_cpu_us"] = (
+                        (cpu_seconds(router_pid) - router0) / served * 1e6
+                        if name.startswith("+ routing")
+                        else 0.0
+                    )
+                    runs.setdefault(f"{name}, c={conns}", []).append(r)
+                    print(f"{name}, c={conns}: {r}", file=sys.stderr, flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+    return {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=3000)
-    args = ap.parse_args()
-    config = RouterConfig(
-        registry_bind=f"tcp://127.0.0.1:{free_port()}",
-        routing_bind=f"tcp://127.0.0.1:{free_port()}",
-        lease_s=1e6,
-        metrics_port=0,
+    ap.add_argument("--ladder", action="store_true", help="also the gateway in front of nginx")
+    ap.add_argument("--seconds", type=int, default=4, help="per wrk run (--ladder)")
+    ap.add_argument(
+        "--router-core",
+        type=int,
+        default=1,
+        help="the routers' core: 1 (beside wrk and nginx, as in proxy_overhead.py) or 0 "
+        "(beside the gateway)",
     )
-    proc = multiprocessing.get_context("fork").Process(target=serve, args=(config,), daemon=True)
-    proc.start()
-    agents = [
-        RegistryAgent(config.registry_bind, p.Register(f"r{i}", "m", f"http://r{i}", block_size=16))
-        for i in range(REPLICAS)
-    ]
-    for agent in agents:
-        agent.register()
-        agent.process_replies(5.0)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(config.routing_bind)
+    args = ap.parse_args()
+    if args.ladder and not (shutil.which("wrk") and shutil.which("nginx")):
+        sys.exit("--ladder needs wrk and nginx (apt-get install wrk nginx-light)")
+    load_before = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="hpcserve-roundtrip-"))
+    nginx = None
+    upstream = "http://127.0.0.1:9"
+    if args.ladder:
+        port = free_port()
+        conf = ladder.nginx_config(work, port)
+        nginx = subprocess.Popen(
+            ["taskset", "-c", "1", "nginx", "-p", str(work), "-c", str(conf)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        upstream = f"http://127.0.0.1:{port}"
+        wait_http(upstream + "/")
+    routers: dict[str, tuple[RouterConfig, int]] = {}
+    procs, agents = [], []
+    for routing_socket in SOCKETS:
+        config = RouterConfig(
+            registry_bind=f"tcp://127.0.0.1:{free_port()}",
+            routing_bind=f"tcp://127.0.0.1:{free_port()}",
+            lease_s=1e6,
+            metrics_port=0,
+        )
+        proc = multiprocessing.get_context("fork").Process(
+            target=serve, args=(config, routing_socket, args.router_core), daemon=True
+        )
+        proc.start()
+        procs.append(proc)
+        assert proc.pid is not None
+        routers[routing_socket] = (config, proc.pid)
+        for i in range(REPLICAS):
+            agent = RegistryAgent(
+                config.registry_bind, p.Register(f"r{i}", MODEL, upstream, block_size=16)
+            )
+            agent.register()
+            agent.process_replies(5.0)
+            agents.append(agent)
+
     rng = random.Random(1)
     prompts = [
         prompt_block_hashes([rng.randrange(50_000) for _ in range(2048)], 16) for _ in range(50)
     ]
     cases = {
-        "route + release": (lambda i, prev: p.Route(i, "m"), True),
+        "route + release": (lambda i, prev: p.Route(i, MODEL), True),
         "route + release, 128 hashes": (
             lambda i, prev: p.Route(
-                i, "m", block_hashes=prompts[i % 50], block_size=16, prompt_tokens=2048
+                i, MODEL, block_hashes=prompts[i % 50], block_size=16, prompt_tokens=2048
             ),
             True,
         ),
         "route with release folded in": (
-            lambda i, prev: p.Route(i, "m", released=[prev] if prev else []),
+            lambda i, prev: p.Route(i, MODEL, released=[prev] if prev else []),
             False,
         ),
     }
-    results: dict[str, dict[str, list[float]]] = {
-        c: {"p50": [], "p99": [], "cpu": []} for c in cases
-    }
-    measure(sock, cases["route + release"][0], 500, True)  # warm up
-    for _ in range(args.rounds):
+    socks = {}
+    for routing_socket, (config, _) in routers.items():
+        sock = socks[routing_socket] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(config.routing_bind)
+        measure(sock, cases["route + release"][0], 500, True)  # warm up
+    results: dict[str, dict[str, list[float]]] = {}
+    for round_no in range(args.rounds):
         for name, (make, release) in cases.items():
-            lat, cpu = measure(sock, make, args.requests, release)
-            lat.sort()
-            results[name]["p50"].append(lat[len(lat) // 2] * 1e6)
-            results[name]["p99"].append(lat[int(len(lat) * 0.99)] * 1e6)
-            results[name]["cpu"].append(cpu * 1e6)
-    sock.close(0)
+            for routing_socket, sock in sorted(socks.items(), reverse=round_no % 2 == 1):
+                lat, cpu = measure(sock, make, args.requests, release)
+                lat.sort()
+                row = results.setdefault(
+                    f"{name}, {routing_socket} router", {"p50": [], "p99": [], "cpu": []}
+                )
+                row["p50"].append(lat[len(lat) // 2] * 1e6)
+                row["p99"].append(lat[int(len(lat) * 0.99)] * 1e6)
+                row["cpu"].append(cpu * 1e6)
+    for sock in socks.values():
+        sock.close(0)
     import uvloop
 
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {0})
-    client_cases = {
-        (1, True): "before: zmq.asyncio DEALER, c=1",
-        (1, False): "RoutingClient (uvloop), c=1",
-        (64, True): "before: zmq.asyncio DEALER, c=64",
-        (64, False): "RoutingClient (uvloop), c=64",
-    }
-    client_results: dict[str, dict[str, list[float]]] = {
-        name: {"p50": [], "p99": [], "cpu": [], "router_cpu": [], "rps": []}
-        for name in client_cases.values()
-    }
-    for _ in range(args.rounds):
-        for (concurrency, baseline), name in client_cases.items():
-            got = uvloop.run(
-                client_case(config.routing_bind, proc.pid, args.requests, concurrency, baseline)
-            )
-            for key, value in got.items():
-                client_results[name][key].append(value)
-    for agent in agents:
-        agent.close()
-    proc.terminate()
-    proc.join(5)
+    client_results: dict[str, dict[str, list[float]]] = {}
+    for round_no in range(args.rounds):
+        for concurrency in (1, 64):
+            for routing_socket, (config, pid) in sorted(routers.items(), reverse=round_no % 2 == 1):
+                got = uvloop.run(client_case(config.routing_bind, pid, args.requests, concurrency))
+                row = client_results.setdefault(
+                    f"RoutingClient, c={concurrency}, {routing_socket} router", {}
+                )
+                for key, value in got.items():
+                    row.setdefault(key, []).append(value)
+    ladder_summary = {}
+    try:
+        if args.ladder:
+            ladder_summary = ladder_case(work, routers, upstream, args)
+    finally:
+        for agent in agents:
+            agent.close()
+        for proc in procs:
+            proc.terminate()
+            proc.join(5)
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait(10)
     hints_s = hints_cost()
     summary = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in results.items()}
     client_summary = {
@@ -278,6 +342,8 @@ def main() -> None:
     out = {
         "cases_us": summary,
         "gateway_client_us": client_summary,
+        "gateway_ladder": ladder_summary,
+        "load_average_before": load_before,
         "load_average": os.getloadavg(),
         "gateway_hints_2k_prompt_p50_us": hints_s * 1e6,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -286,7 +352,7 @@ def main() -> None:
     }
     (ROOT / "bench" / "results").mkdir(exist_ok=True)
     (ROOT / "bench" / "results" / "router_roundtrip.json").write_text(json.dumps(out, indent=2))
-    print("| case | round trip p50 | p99 | gateway CPU per request |")
+    print("| case (blocking libzmq DEALER) | round trip p50 | p99 | client CPU per request |")
     print("|---|---|---|---|")
     for name, r in summary.items():
         print(f"| {name} | {r['p50']:.0f} us | {r['p99']:.0f} us | {r['cpu']:.0f} us |")
@@ -300,7 +366,15 @@ def main() -> None:
     for name, r in client_summary.items():
         print(f"| {name} | {r['p50']:.0f} us | {r['p99']:.0f} us | {r['cpu']:.0f} us "
               f"| {r['router_cpu']:.0f} us | {r['rps']:.0f} |")  # fmt: skip
-    print(f"\nload average {os.getloadavg()}")
+    if ladder_summary:
+        print()
+        print("| gateway (chat, nginx upstream) | p50 | p99 | req/s | gateway CPU / request "
+              "| router CPU / request |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
+        for name, r in ladder_summary.items():
+            print(f"| {name} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | {r['rps']:.0f} "
+                  f"| {r['cpu_us']:.0f} us | {r['router_cpu_us']:.0f} us |")  # fmt: skip
+    print(f"\nload average before {load_before}, after {os.getloadavg()}")
 
 
 if __name__ == "__main__":

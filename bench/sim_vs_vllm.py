@@ -35,7 +35,7 @@ import zmq
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.simfleet import machine  # noqa: E402
+from bench.results import write_results  # noqa: E402
 from hpcserve.router import kv_wire as kw  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
 from tests.ports import free_port  # noqa: E402
@@ -202,13 +202,10 @@ def main() -> None:
          "same": set(v["series_present"]) == set(s["series_present"])},
         {"check": "ready after (s)", "vllm": v["ready_s"], "sim": s["ready_s"], "same": "-"},
     ]  # fmt: skip
-    meta = {"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "command": ".venv/bin/python bench/sim_vs_vllm.py", "block_size": BLOCK}  # fmt: skip
     print("| check | vLLM CPU | simulator | same |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['check']} | {r['vllm']} | {r['sim']} | {r['same']} |")
-    out = ROOT / "bench" / "results" / "sim_vs_vllm.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "raw": found}, indent=2) + "\n")
+    write_results("sim_vs_vllm", {"rows": rows, "raw": found}, {"block_size": BLOCK})
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 with the routing policy you choose), the real gateway (`hpcserve gateway`) and one
 simulated fleet (`python -m hpcserve.sim.fleet`: N replicas in one process, each with its
 own port, registry connection and KV-event publisher); it waits until the router lists all
-N replicas and yields a ``SimStack`` with the gateway URL, an API key and the measured
-start time. Drive it with bench/workload.py:
+N replicas and the gateway's own metrics answer, all three processes still running (else
+RuntimeError or TimeoutError), and yields a ``SimStack`` with the gateway URL, an API key
+and the measured start time. Drive it with bench/workload.py:
 
     from bench.simfleet import sim_stack
     from bench.workload import SLO, build, run_workload, summarize
@@ -34,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -49,10 +49,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from bench.workload import SLO, build, run_workload, summarize  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.ports import free_ports  # noqa: E402
 from hpcserve.router.client import list_replicas  # noqa: E402
-from tests.ports import free_port  # noqa: E402
 
 API_KEY = "sk-simfleet-bench"
 MODEL = "sim-chat"
@@ -91,15 +92,50 @@ class SimStack:
         return totals
 
 
-def _wait_http(url: str, timeout_s: float) -> None:
+def _check_running(procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
+    for name, proc in procs.items():
+        if proc.poll() is not None:
+            tail = (logs / f"{name}.log").read_text(errors="replace").splitlines()[-5:]
+            raise RuntimeError(f"the {name} exited ({proc.returncode}): " + " | ".join(tail))
+
+
+def _wait_listed(
+    endpoint: str,
+    count: int,
+    procs: dict[str, subprocess.Popen[bytes]],
+    logs: Path,
+    timeout_s: float,
+) -> list[Any]:
+    """Until the router at `endpoint` answers with at least `count` replicas."""
+    deadline = time.monotonic() + timeout_s
+    listed: list[Any] | None = None
+    while time.monotonic() < deadline:
+        _check_running(procs, logs)
+        with contextlib.suppress(Exception):
+            listed = list_replicas(endpoint, timeout_s=1.0)
+        if listed is not None and len(listed) >= count:
+            return listed
+        time.sleep(0.05)
+    if listed is None:
+        raise TimeoutError(f"the router at {endpoint} did not answer within {timeout_s:g}s")
+    raise TimeoutError(f"{len(listed)} of {count} replicas registered after {timeout_s:g}s")
+
+
+def _wait_gateway(
+    base_url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path, timeout_s: float = 30
+) -> None:
+    """Until our gateway answers: its own metrics, not just any server on its port."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
+        _check_running(procs, logs)
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(base_url + "/metrics", timeout=2) as resp,
+        ):
+            if b"hpcserve_gateway_" in resp.read():
                 return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"{url} not up after {timeout_s:g}s")
+        time.sleep(0.1)
+    raise TimeoutError(f"the gateway at {base_url} not up after {timeout_s:g}s")
 
 
 def tiny_model(work: Path) -> Path:
@@ -133,9 +169,12 @@ def sim_stack(
         work = work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
         model_path = model_dir or tiny_model(work)
-        registry = f"tcp://127.0.0.1:{free_port()}"
-        routing_ep = f"tcp://127.0.0.1:{free_port()}"
-        gw_port = free_port()
+        # From below the ephemeral range: the fleet binds ~200 ephemeral ports while the
+        # router and gateway start, and once took the gateway's (the workload then went to
+        # one replica directly) or the router's (no replica could register).
+        registry_port, routing_port, gw_port = free_ports(3, "127.0.0.1")
+        registry = f"tcp://127.0.0.1:{registry_port}"
+        routing_ep = f"tcp://127.0.0.1:{routing_port}"
         routing_cfg = dict(routing or {})
         if policy:
             routing_cfg["policy"] = policy
@@ -173,9 +212,15 @@ def sim_stack(
             return proc
 
         hpcserve = [sys.executable, "-m", "hpcserve.cli"]
-        spawn("router", [*hpcserve, "router", "--config", str(config_file)])
-        spawn("gateway", [*hpcserve, "gateway", "--config", str(config_file)])
-        started = time.monotonic()
+        services = {
+            "router": spawn("router", [*hpcserve, "router", "--config", str(config_file)]),
+            "gateway": spawn("gateway", [*hpcserve, "gateway", "--config", str(config_file)]),
+        }
+        base_url = f"http://127.0.0.1:{gw_port}"
+        # The router and gateway bind first: the fleet then finds their ports taken when it
+        # chooses its own (~130, from the same range).
+        _wait_listed(routing_ep, 0, services, logs, timeout_s=60)
+        _wait_gateway(base_url, services, logs)
         fleet_argv = [
             sys.executable, "-m", "hpcserve.sim.fleet",
             "--replicas", str(replicas),
@@ -188,24 +233,10 @@ def sim_stack(
             "--time-scale", str(time_scale),
             *(sim_args or []),
         ]  # fmt: skip
-        fleet = spawn("fleet", fleet_argv)
-        deadline = started + start_timeout_s
-        listed: list[Any] = []
-        while time.monotonic() < deadline:
-            if fleet.poll() is not None:
-                raise RuntimeError(f"the fleet exited ({fleet.returncode}); see {logs}/fleet.log")
-            with contextlib.suppress(Exception):
-                listed = list_replicas(routing_ep, timeout_s=1.0)
-            if len(listed) >= replicas:
-                break
-            time.sleep(0.05)
-        else:
-            raise TimeoutError(
-                f"{len(listed)} of {replicas} replicas registered after {start_timeout_s:g}s"
-            )
+        started = time.monotonic()
+        services["fleet"] = spawn("fleet", fleet_argv)
+        listed = _wait_listed(routing_ep, replicas, services, logs, start_timeout_s)
         start_s = time.monotonic() - started
-        base_url = f"http://127.0.0.1:{gw_port}"
-        _wait_http(base_url + "/health", 30)
         yield SimStack(
             base_url=base_url,
             api_key=API_KEY,
@@ -228,20 +259,6 @@ def _stop(proc: subprocess.Popen[bytes], out: Any) -> None:
             proc.kill()
             proc.wait()
     out.close()
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = ""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB"
-    return f"{os.cpu_count()} cores {cpu}{mem}, Python {platform.python_version()}"
 
 
 def main() -> None:
@@ -309,16 +326,9 @@ def main() -> None:
             "prefix_hit_share": round(summary.get("engine_prefix_hit_share", 0), 3),
         }
     ]
-    meta = {
-        "machine": machine(),
-        "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(["bench/simfleet.py", *sys.argv[1:]]),
-    }
     print(json.dumps(rows, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=2) + "\n"
-    )
+    out = Path(args.out)
+    write_results(out.stem, {"rows": rows, "summary": summary}, directory=out.parent)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,12 @@ also hash each of them, so on a machine whose cores are busy its throughput tend
 1 / (1/cp + 1/hash) of the CPU-bound rates, and only with a free core for the hash can it
 approach `cp` itself.
 
+`--cpus 0 0,1` runs everything (cp too: children inherit the affinity) once on CPU 0 alone,
+then on CPUs 0 and 1: what one more core buys each method, i.e. how staging scales towards
+`cp` where a node has cores to spare.
+
     .venv/bin/python bench/staging_vs_cp.py [--gb 1 4] [--files 4] [--rounds 3] [--dir DIR]
+        [--cpus 0 0,1]
 
 Prints a markdown table and writes bench/results/staging_vs_cp.json.
 """
@@ -193,7 +198,14 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=4, help="number of weight files")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work directory (default: the system temp dir)")
+    ap.add_argument(
+        "--cpus",
+        nargs="+",
+        default=None,
+        help="CPU sets to pin the whole run to, one after the other (e.g. 0 0,1)",
+    )
     args = ap.parse_args()
+    cpu_sets = [parse_cpus(c) for c in args.cpus] if args.cpus else [None]
     load_before = os.getloadavg()
     results = []
     for gb in args.gb:
@@ -202,19 +214,40 @@ def main() -> None:
             src = work / "src"
             make_source(src, int(gb * 1e9), args.files)
             manifest = build_manifest(src)
-            meta = {
-                **machine(),
-                "filesystem": filesystem_type(work) or "?",
-                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "command": "bench/staging_vs_cp.py " + " ".join(sys.argv[1:]),
-                "bytes": manifest.total_bytes,
-                "files": len(manifest.files),
-                "rounds": args.rounds,
-            }
-            times = run_rounds(src, work, manifest, args.rounds)
-        results.append((meta, times))
+            for cpus in cpu_sets:
+                if cpus is not None:
+                    pin_process(cpus)
+                meta = {
+                    **machine(),
+                    "filesystem": filesystem_type(work) or "?",
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "command": "bench/staging_vs_cp.py " + " ".join(sys.argv[1:]),
+                    "bytes": manifest.total_bytes,
+                    "files": len(manifest.files),
+                    "rounds": args.rounds,
+                    "cpus": sorted(os.sched_getaffinity(0)),
+                }
+                times = run_rounds(src, work, manifest, args.rounds)
+                results.append((meta, times))
     load = [round(x, 2) for x in (*load_before, *os.getloadavg())]
-    report(results, load, label_sizes=len(args.gb) > 1)
+    report(results, load, label_sizes=len(args.gb) > 1, label_cpus=len(cpu_sets) > 1)
+
+
+def pin_process(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (blake3's pool threads, started by the
+    manifest's hashing, would keep their own affinity); children inherit it."""
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def parse_cpus(text: str) -> set[int]:
+    try:
+        cpus = {int(c) for c in text.split(",")}
+    except ValueError:
+        raise SystemExit(f"--cpus: {text!r} is not a comma-separated list of CPU numbers") from None
+    if not cpus or not cpus <= os.sched_getaffinity(0):
+        raise SystemExit(f"--cpus: {text!r} names CPUs this process may not use")
+    return cpus
 
 
 def _gb(meta: dict[str, object]) -> float:
@@ -246,15 +279,21 @@ def report(
     results: list[tuple[dict[str, object], dict[str, list[tuple[float, float]]]]],
     load: list[float],
     label_sizes: bool,
+    label_cpus: bool = False,
 ) -> None:
     rows = []
     for meta, times in results:
-        label = f" ({_gb(meta):.2f} GB)" if label_sizes else ""
+        parts = [f"{_gb(meta):.2f} GB"] if label_sizes else []
+        if label_cpus:
+            n = len(meta["cpus"])  # type: ignore[arg-type]
+            parts.append(f"{n} core" + ("s" if n > 1 else ""))
+        label = f" ({', '.join(parts)})" if parts else ""
         rows += rows_for(meta, times, label)
     meta = {**results[0][0], "sizes_bytes": [m["bytes"] for m, _ in results], "loadavg": load}
+    meta["cpu_sets"] = [m["cpus"] for m, _ in results]
     out = ROOT / "bench" / "results" / "staging_vs_cp.json"
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    sizes = ", ".join(f"{_gb(m):.2f} GB" for m, _ in results)
+    sizes = ", ".join(dict.fromkeys(f"{_gb(m):.2f} GB" for m, _ in results))
     print(
         f"\n{sizes} in {meta['files']} files each, {meta['filesystem']}, {meta['cpu']}, "
         f"medians of {meta['rounds']}; load average before {load[:3]}, after {load[3:]}\n"

@@ -50,7 +50,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.simfleet import machine  # noqa: E402
+from bench.results import machine  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
@@ -137,6 +137,15 @@ BENCHMARKS: list[Benchmark] = [
         "staging_vs_cp.json",
         timeout_s=90,
         plot=Plot(x="method", y=["gb_per_s"], ylabel="GB/s"),
+    ),
+    Benchmark(
+        "upstream_client",
+        "The relay's HTTP client against aiohttp, in process (nginx upstream)",
+        "bench/upstream_client.py --rounds 3 --requests 2000",
+        "upstream_client.json",
+        timeout_s=60,
+        needs=["nginx"],
+        plot=Plot(x="case", y=["cpu_us"], group="client", ylabel="CPU per request (us)"),
     ),
     Benchmark(
         "batch_throughput",

@@ -92,6 +92,8 @@ class EngineOptions:
     lora_plan: str = ""
     # CURVE keys for the registry socket (router/curve.py); empty: plain.
     curve_dir: str = ""
+    # The pool's role (pools[].role), told to the router in Register.
+    role: str = "interactive"
 
 
 class EngineFailed(RuntimeError):
@@ -322,6 +324,7 @@ class EngineRunner:
             base_model=self.options.model_ref.partition("@")[0] or self.options.served_model_name,
             cached=self.node_cache_keys(),
             model_ref=self.options.model_ref,
+            role=self.options.role,
         )
 
     def node_cache_keys(self) -> list[str]:

@@ -94,7 +94,12 @@ class Gateway:
         self.quota = QuotaGate(self.gateway_id, stale_after_s=max(5.0, 10 * config.quota_sync_s))
         self.external = ExternalAPI(config.overflow) if config.overflow.base_url else None
         self.external_relay = (
-            Relay(upstream_timeout_s=config.overflow.timeout_s) if self.external else None
+            Relay(
+                upstream_timeout_s=config.overflow.timeout_s,
+                timeout_setting="gateway.overflow.timeout_s",
+            )
+            if self.external
+            else None
         )
         if tracing is None and config.otlp_traces_endpoint:
             # Imported only when tracing is on: the OpenTelemetry SDK costs start-up time.
@@ -360,6 +365,7 @@ class Gateway:
         (routed on load and session alone: the hints are an optimisation)."""
         route_hints = self.route_hints
         assert route_hints is not None
+        model = self.routing.view.served_as(model)  # an alias: hashed as its target's model
         if not route_hints.covers(model):
             return route_hints.hints(model, {}, headers)
         if len(body) <= INLINE_HINT_BYTES:

@@ -1,39 +1,49 @@
 """Forward a request body to an engine and relay its answer, streamed or whole.
 
-One pooled aiohttp session per gateway process (httpx measured ~20x slower as a
-proxy client here, see docs/benchmarks.md). The request body is forwarded as the
-bytes the client sent; nothing is re-encoded on the hot path. The relay reports
-what happened to an `Exchange` (first byte, usage, done): done exactly once for
-every response it returns; when it raises, nothing was reported.
+One pooled keep-alive client per Relay (gateway/upstream_http.py: asyncio Protocols and
+httptools; aiohttp's client was ~46% of the gateway's Python time, httpx far worse, see
+docs/benchmarks.md). The request body is forwarded as the bytes the client sent; nothing is
+re-encoded on the hot path. The relay reports what happened to an `Exchange` (first byte,
+usage, done): done exactly once for every response it returns; when it raises, nothing was
+reported.
 
-A stream that fails after its first byte ends with an OpenAI-style error event
-(`data: {"error": ...}`), which the openai SDK raises as an APIError, never a hang.
+A failure before the first byte of the answer raises `UpstreamFailed` (the caller tries
+another replica); an engine silent past the timeout before answering is a 504. A stream that
+fails after its first byte ends with an OpenAI-style error event (`data: {"error": ...}`),
+which the openai SDK raises as an APIError, never a hang.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-import aiohttp
 import msgspec
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from hpcserve.gateway.errors import APIError, upstream_timeout, upstream_unreachable
+from hpcserve.gateway.upstream_http import (
+    UpstreamClient,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
-_HOP_BY_HOP = {
-    "content-length",
-    "transfer-encoding",
-    "connection",
-    "keep-alive",
-    "content-encoding",
-}
+_HOP_BY_HOP = frozenset(
+    {
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"keep-alive",
+        b"content-encoding",
+    }
+)
 FORWARDED_REQUEST_HEADERS = ("traceparent", "tracestate", "x-request-id")
 # An engine answering these before any byte of its answer is retried on another replica.
 RETRYABLE_STATUSES = frozenset({502, 503})
+_JSON = (b"content-type", b"application/json")
 
 
 class Exchange(Protocol):
@@ -73,28 +83,43 @@ def _report_usage(exchange: Exchange, usage: Usage) -> None:
     exchange.usage(prompt, completion)
 
 
+def relayed_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """An engine's response headers as ASGI raw headers for the client: names lowercased,
+    hop-by-hop ones (and the length, which the relayed response sets itself) left out."""
+    kept = []
+    for name, value in headers:
+        name = name.lower()
+        if name not in _HOP_BY_HOP:
+            kept.append((name, value))
+    return kept
+
+
 class Relay:
-    def __init__(self, *, upstream_timeout_s: float, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        *,
+        upstream_timeout_s: float,
+        connect_timeout_s: float = 10.0,
+        timeout_setting: str = "gateway.upstream_timeout_s",
+    ) -> None:
         self.upstream_timeout_s = upstream_timeout_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=connect_timeout_s, sock_read=upstream_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.timeout_setting = timeout_setting
+        self._client = self._new_client()
+
+    def _new_client(self) -> UpstreamClient:
+        return UpstreamClient(
+            first_byte_timeout_s=self.upstream_timeout_s,
+            idle_timeout_s=self.upstream_timeout_s,
+            connect_timeout_s=self.connect_timeout_s,
         )
-        self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            auto_decompress=False,
-            # No Accept-Encoding: an answer is relayed as sent, and a compressed one would
-            # lose its Content-Encoding (hop-by-hop above).
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-        )
+        if self._client.closed:  # started again after a close
+            self._client = self._new_client()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._client.close()
 
     async def forward(
         self,
@@ -110,53 +135,53 @@ class Relay:
         """POST body to url with headers. strip_usage: drop the stream's usage-only event;
         strip_continuous: drop the usage from the other events (continuous_usage_stats the
         client did not ask for)."""
-        assert self._session is not None, "Relay.start() was not awaited"
         try:
-            upstream = await self._session.post(url, data=body, headers=headers)
-        except TimeoutError:
-            raise upstream_timeout("gateway.upstream_timeout_s", self.upstream_timeout_s) from None
-        except aiohttp.ClientError as err:
+            upstream = await self._client.request("POST", url, body, headers)
+        except UpstreamTimeout as err:
+            if err.phase == "connect":
+                raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
+            raise upstream_timeout(self.timeout_setting, self.upstream_timeout_s) from None
+        except UpstreamError as err:
             raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
-        if upstream.status in RETRYABLE_STATUSES:
-            upstream.release()
-            raise UpstreamFailed(**_unreachable(f"{url} answered {upstream.status}"))
-        response_headers = {
-            k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
-        }
-        if not stream or upstream.status != 200:
+        status = upstream.status
+        if status in RETRYABLE_STATUSES:
+            upstream.close()
+            raise UpstreamFailed(**_unreachable(f"{url} answered {status}"))
+        response_headers = relayed_headers(upstream.headers)
+        if not stream or status != 200:
             try:
                 payload = await upstream.read()
-            except TimeoutError:
-                upstream.release()
-                raise upstream_timeout(
-                    "gateway.upstream_timeout_s", self.upstream_timeout_s
-                ) from None
-            except aiohttp.ClientError as err:
-                upstream.release()
+            except UpstreamTimeout:
+                raise upstream_timeout(self.timeout_setting, self.upstream_timeout_s) from None
+            except UpstreamError as err:
                 raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
-            upstream.release()
             exchange.first_byte()
-            if upstream.status == 200:
+            if status == 200:
                 try:
                     found = _usage_decoder.decode(payload).usage
                 except msgspec.DecodeError:
                     found = None
                 if found is not None:
                     _report_usage(exchange, found)
-            elif upstream.status >= 400:
-                payload = openai_error_body(upstream.status, payload)
-                response_headers["Content-Type"] = "application/json"
-            exchange.done(upstream.status)
-            return Response(payload, status_code=upstream.status, headers=response_headers)
-        _set_nodelay(upstream)
+            elif status >= 400:
+                payload = openai_error_body(status, payload)
+                response_headers = [h for h in response_headers if h[0] != b"content-type"]
+                response_headers.append(_JSON)
+            exchange.done(status)
+            response = Response(payload, status_code=status)
+            response.raw_headers[:0] = response_headers  # its own: the content-length
+            return response
         finish = _Once(exchange)
-        return StreamingResponse(
-            _relay_chunks(upstream, exchange, finish, strip_usage, strip_continuous),
-            status_code=upstream.status,
-            headers=response_headers,
+        response = StreamingResponse(
+            _relay_chunks(
+                upstream, exchange, finish, strip_usage, strip_continuous, self.timeout_setting
+            ),
+            status_code=status,
             # Also after a disconnect before the first chunk, when the generator never ran.
             background=BackgroundTask(finish, 499),
         )
+        response.raw_headers = response_headers
+        return response
 
 
 class _ErrorBody(msgspec.Struct):
@@ -289,11 +314,12 @@ def _report_latest(exchange: Exchange, latest: list[bytes]) -> None:
 
 
 async def _relay_chunks(
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     exchange: Exchange,
     finish: _Once,
     strip_usage: bool,
     strip_continuous: bool = False,
+    timeout_setting: str = "gateway.upstream_timeout_s",
 ) -> AsyncIterator[bytes]:
     # Closing the upstream response when the client goes away (this generator is
     # cancelled or closed) drops the engine connection, and vLLM aborts the request.
@@ -302,7 +328,7 @@ async def _relay_chunks(
     first = True
     latest: list[bytes] = []  # the last continuous usage seen, not yet decoded
     try:
-        async for chunk in upstream.content.iter_any():
+        while chunk := await upstream.next_chunk():
             if first:
                 exchange.first_byte()
                 first = False
@@ -320,17 +346,17 @@ async def _relay_chunks(
                 yield block
         if pending:
             yield pending
-    except TimeoutError:
+    except UpstreamTimeout:
         status = 504
         yield error_event(
-            "The engine went silent mid-stream (gateway.upstream_timeout_s)",
+            f"The engine went silent mid-stream ({timeout_setting})",
             type="timeout",
             code="upstream_timeout",
         )
     except (GeneratorExit, asyncio.CancelledError):
         status = 499  # the client went away
         raise
-    except aiohttp.ClientError as err:
+    except UpstreamError as err:
         status = 502
         yield error_event(
             f"The engine failed mid-stream: {err}", type="upstream_error", code="upstream_failed"
@@ -339,11 +365,3 @@ async def _relay_chunks(
         upstream.close()
         _report_latest(exchange, latest)
         finish(status)
-
-
-def _set_nodelay(upstream: aiohttp.ClientResponse) -> None:
-    connection = upstream.connection
-    transport = connection.transport if connection is not None else None
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

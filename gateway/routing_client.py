@@ -8,6 +8,13 @@ message; the router answers with one multipart message of replies, matched to wa
 requests by request id. Releases ride on the next Route (or leave alone after
 ``RELEASE_DELAY_S``).
 
+The router counts requests in flight per replica (and per LoRA adapter) in memory. Its
+replies carry its epoch, new at each start; a gateway that sees a new epoch knows that router
+counts none of its requests yet, and declares those still in flight (`InFlight`) for the
+replicas the new router lists, once they have re-registered; so do requests routed on the
+fallback view while the router was away. A request the router never counted is not released
+to it.
+
 Every wait has a deadline (`gateway.route_timeout_s`): a router that does not answer costs
 a 503, never a hung request. While no router is connected, messages wait in the outbox (as
 ZMQ_IMMEDIATE did: nothing is sent towards a router that is not there), up to that deadline.
@@ -16,6 +23,7 @@ ZMQ_IMMEDIATE did: nothing is sent towards a router that is not there), up to th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -71,6 +79,12 @@ class RoutingClient:
         self._released_models: list[str] = []  # what each of _released asked for
         self._release_timer: asyncio.TimerHandle | None = None
         self._encode = msgspec.msgpack.Encoder().encode
+        # Requests in flight by (replica id, model asked for): counted by the router of
+        # `epoch`, or not known to it (routed by an earlier router, or on the fallback view).
+        self.epoch = ""
+        self._declared: dict[tuple[str, str], int] = {}
+        self._undeclared: dict[tuple[str, str], int] = {}
+        self._refresh_now = asyncio.Event()
         self._decode = p.routing_reply_decoder.decode
 
     async def start(self) -> None:
@@ -83,10 +97,44 @@ class RoutingClient:
     async def _refresh_view(self) -> None:
         while True:
             try:
-                self.view.update((await self.replicas()).replicas)
+                listed = await self.replicas()
             except RouterUnavailable as err:
                 self.view.router_lost(str(err))
-            await asyncio.sleep(self.view_refresh_s)
+            else:
+                self._see_epoch(listed.epoch)
+                self.view.update(listed.replicas, listed.aliases)
+                self._declare({r.replica_id for r in listed.replicas})
+            self._refresh_now.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._refresh_now.wait(), self.view_refresh_s)
+
+    # --- in-flight requests across router restarts --------------------------------------
+    def _see_epoch(self, epoch: str) -> None:
+        if not epoch or epoch == self.epoch:
+            return
+        if self.epoch:
+            log.info("router restarted (epoch %s): re-declaring requests in flight", epoch)
+            for key, count in self._declared.items():
+                self._undeclared[key] = self._undeclared.get(key, 0) + count
+            self._declared.clear()
+            self._refresh_now.set()  # its replica list says which can be declared now
+        self.epoch = epoch
+
+    def _declare(self, live: set[str]) -> None:
+        """Requests in flight on `live` replicas the router does not count yet: InFlight."""
+        if not self.epoch or not self._undeclared:
+            return
+        replica_ids: list[str] = []
+        models: list[str] = []
+        for key, count in list(self._undeclared.items()):
+            if key[0] in live:
+                del self._undeclared[key]
+                self._declared[key] = self._declared.get(key, 0) + count
+                replica_ids += [key[0]] * count
+                models += [key[1]] * count
+        if replica_ids:
+            self._outbox.append((0, self._encode(p.InFlight(replica_ids, models))))
+            self._flush()
 
     async def close(self) -> None:
         if self._release_timer is not None:
@@ -116,7 +164,7 @@ class RoutingClient:
                 waiting[0].set_result(reply)
             elif isinstance(reply, p.RouteReply) and reply.replica_id:
                 # Its request gave up (deadline, client gone): the router counted it routed.
-                self.release(reply.replica_id)
+                self._release_soon(reply.replica_id, "")
 
     def _send(self, request_id: int, payload: bytes) -> None:
         self._outbox.append((request_id, payload))
@@ -190,6 +238,7 @@ class RoutingClient:
         give_up_at = self._loop.time() + self.adapter_wait_s
         while True:
             if self.view.router_away and (fallback := self.view.pick(model, exclude or ())):
+                _count(self._undeclared, (fallback.replica_id, model))
                 return fallback
             if exclude:
                 hints["exclude"] = exclude
@@ -204,9 +253,14 @@ class RoutingClient:
                 fallback = self.view.pick(model, exclude or ())
                 if fallback is None:
                     raise
+                _count(self._undeclared, (fallback.replica_id, model))
                 return fallback
             hints.pop("released", None)
             hints.pop("released_models", None)
+            if reply.replica_id:
+                if reply.epoch != self.epoch:
+                    self._see_epoch(reply.epoch)
+                _count(self._declared, (reply.replica_id, model))
             # The router is loading the LoRA adapter `model` names: ask again shortly.
             if reply.error != "adapter_loading" or self._loop.time() >= give_up_at:
                 return reply
@@ -228,6 +282,13 @@ class RoutingClient:
         if self._dealer is None:
             return
         self.view.released(replica_id)
+        key = (replica_id, model)
+        if _uncount(self._undeclared, key):
+            return  # the router never counted it
+        _uncount(self._declared, key)
+        self._release_soon(replica_id, model)
+
+    def _release_soon(self, replica_id: str, model: str) -> None:
         self._released.append(replica_id)
         self._released_models.append(model)
         if self._release_timer is None:
@@ -257,3 +318,18 @@ class RoutingClient:
             self._flush_soon = True
             assert self._loop is not None
             self._loop.call_soon(self._flush)
+
+
+def _count(counts: dict[tuple[str, str], int], key: tuple[str, str]) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _uncount(counts: dict[tuple[str, str], int], key: tuple[str, str]) -> bool:
+    count = counts.get(key)
+    if count is None:
+        return False
+    if count <= 1:
+        del counts[key]
+    else:
+        counts[key] = count - 1
+    return True

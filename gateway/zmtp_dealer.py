@@ -1,18 +1,9 @@
 """A ZeroMQ DEALER that lives in the asyncio event loop: ZMTP 3.0, NULL mechanism.
 
-The router binds a real libzmq ROUTER (router/server.py); the gateway's side of that
-conversation speaks ZeroMQ's wire protocol (https://rfc.zeromq.org/spec/23/) over a plain
-asyncio connection instead of a libzmq socket. Why: a libzmq socket hands every message to
-its own I/O thread and back, two thread wake-ups per message on each side, which on the
-gateway's one core cost more than the routing decision itself (bench/router_roundtrip.py
-measures both). Here a send is one write() on the loop's transport and a reply arrives with
-the loop's own poll, like any HTTP connection.
-
-What it speaks: the 64-byte greeting (version 3.0, NULL, client), a READY command with
-Socket-Type DEALER, then messages as frames (MORE flag, 1- or 8-byte sizes). Commands the
-peer sends after READY (ERROR, PING) are read and ignored; an ERROR closes the connection.
-Only `tcp://host:port` and `ipc://path` endpoints; the connection is retried every
-`reconnect_s` while it is down (libzmq's default interval).
+The gateway's side of the routing conversation (router/zmtp.py has the wire format, shared
+with the router's side, and why neither uses libzmq): a send is one write() on the loop's
+transport and a reply arrives with the loop's own poll, like any HTTP connection. The
+connection is retried every `reconnect_s` while it is down (libzmq's default interval).
 """
 
 from __future__ import annotations
@@ -22,56 +13,22 @@ import contextlib
 import functools
 import logging
 import socket
-import struct
 from collections.abc import Callable
+
+from hpcserve.router.zmtp import (
+    GREETING,
+    ZmtpError,
+    ZmtpParser,
+    command_name,
+    encode_message,
+    parse_endpoint,
+    ready,
+)
 
 log = logging.getLogger(__name__)
 
-GREETING = (
-    b"\xff" + b"\x00" * 8 + b"\x7f"  # signature
-    + b"\x03\x00"  # version 3.0
-    + b"NULL".ljust(20, b"\x00")  # mechanism
-    + b"\x00"  # as-server: no
-    + b"\x00" * 31  # filler
-)  # fmt: skip
-_MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
-
-
-def _command(name: bytes, properties: dict[bytes, bytes]) -> bytes:
-    body = bytes([len(name)]) + name
-    for key, value in properties.items():
-        body += bytes([len(key)]) + key + struct.pack(">I", len(value)) + value
-    return _frame(body, _COMMAND)
-
-
-def _frame(body: bytes, flags: int) -> bytes:
-    size = len(body)
-    if size < 256:
-        return bytes((flags, size)) + body
-    return bytes((flags | _LONG,)) + size.to_bytes(8, "big") + body
-
-
-READY = _command(b"READY", {b"Socket-Type": b"DEALER"})
-
-
-def encode_message(frames: list[bytes]) -> bytes:
-    """One message of one or more frames, as ZMTP puts it on the wire."""
-    last = len(frames) - 1
-    return b"".join(_frame(f, _MORE if i < last else 0) for i, f in enumerate(frames))
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, str, int]:
-    """("tcp", host, port) or ("ipc", path, 0); ValueError names what is wrong."""
-    if endpoint.startswith("ipc://"):
-        return "ipc", endpoint[len("ipc://") :], 0
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-        if sep and host and port.isdigit() and host != "*":
-            return "tcp", host.strip("[]"), int(port)
-    raise ValueError(
-        f"routing endpoint {endpoint!r}: expected tcp://host:port or ipc://path "
-        "(gateway.routing_endpoint)"
-    )
+READY = ready(b"DEALER")
+__all__ = ["ZmtpDealer", "encode_message", "parse_endpoint"]
 
 
 def _same(conn: _Connection) -> _Connection:
@@ -82,10 +39,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, owner: ZmtpDealer) -> None:
         self.owner = owner
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.greeted = False
+        self.parser = ZmtpParser(self._on_command, owner.on_message)
         self.ready = False
-        self.frames: list[bytes] = []
         self.lost = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -103,47 +58,18 @@ class _Connection(asyncio.Protocol):
         self.owner._lost(self, was_ready)
 
     def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        if not self.greeted:
-            if len(buffer) < 64:
-                return
-            if buffer[0] != 0xFF or buffer[9] != 0x7F or buffer[10] < 3:
-                self._fail(f"not a ZMTP 3 peer (greeting {bytes(buffer[:11])!r})")
-                return
-            del buffer[:64]
-            self.greeted = True
-        pos, end = 0, len(buffer)
-        while end - pos >= 2:
-            flags = buffer[pos]
-            if flags & _LONG:
-                if end - pos < 9:
-                    break
-                size = int.from_bytes(buffer[pos + 1 : pos + 9], "big")
-                start = pos + 9
-            else:
-                size = buffer[pos + 1]
-                start = pos + 2
-            if end - start < size:
-                break
-            body = bytes(buffer[start : start + size])
-            pos = start + size
-            if flags & _COMMAND:
-                self._on_command(body)
-                continue
-            self.frames.append(body)
-            if not flags & _MORE:
-                frames, self.frames = self.frames, []
-                self.owner.on_message(frames)
-        del buffer[:pos]
+        try:
+            self.parser.feed(data)
+        except ZmtpError as err:
+            self._fail(str(err))
 
     def _on_command(self, body: bytes) -> None:
-        name = body[1 : 1 + body[0]] if body else b""
+        name = command_name(body)
         if name == b"READY" and not self.ready:
             self.ready = True
             self.owner._ready(self)
         elif name == b"ERROR":
-            self._fail(f"peer sent ERROR: {body[1 + body[0] :]!r}")
+            raise ZmtpError(f"peer sent ERROR: {body[1 + body[0] :]!r}")
 
     def _fail(self, why: str) -> None:
         log.warning("ZMTP connection to %s closed: %s", self.owner.endpoint, why)

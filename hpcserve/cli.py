@@ -140,6 +140,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         drain_file=args.drain_file,
         lora_plan=args.lora_plan,
         curve_dir=args.curve_dir,
+        role=args.role,
     )
     try:
         runner = EngineRunner(options)
@@ -331,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-dir",
         default=os.environ.get("HPCSERVE_CURVE_DIR", ""),
         help="CURVE keys for the registry socket (default: $HPCSERVE_CURVE_DIR; empty: plain)",
+    )
+    p.add_argument(
+        "--role",
+        choices=["interactive", "batch"],
+        default=os.environ.get("HPCSERVE_POOL_ROLE", "interactive"),
+        help="the pool's role, told to the router (default: $HPCSERVE_POOL_ROLE or interactive)",
     )
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra vLLM arguments")
     p.set_defaults(func=cmd_engine)

@@ -48,9 +48,11 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # the least loaded one gets no cache bonus.
     overload_abs: NonNegInt = 4
     overload_rel: PosFloat = 1.5
-    # Share gate: in a fleet of 3 or more, a replica that took more than this share of the
-    # model's recent requests gets no cache bonus either (one shared prompt spreads; 1: off).
+    # Share gate: in a fleet of n >= 3, a replica that took more than min(max_share,
+    # share_factor / n) of the model's recent requests gets no cache bonus either (one
+    # shared prompt spreads; max_share 1: off). share_factor: times the fair share 1/n.
     max_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.4
+    share_factor: Annotated[float, msgspec.Meta(ge=1)] = 8.0
     # Weight of the KV-pressure term, and a replica's KV capacity in tokens (0: use only the
     # engine's reported KV usage).
     kv_pressure_weight: NonNegFloat = 1.0
@@ -65,6 +67,10 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Session affinity (header x-session-id): how long a session sticks to its replica.
     session_ttl_s: PosFloat = 600.0
     session_max: PosInt = 100_000
+    # Batch pools (pools[].role = "batch"): a batch request may borrow an interactive replica
+    # of its model only while nothing waits there and fewer than this many requests are on
+    # it (router/policies/pool_roles.py). 0: never; batch requests stay on the batch pool.
+    batch_lend_below: NonNegInt = 0
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -101,6 +107,7 @@ Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 Priority = Literal["interactive", "batch"]
 Overflow = Literal["never", "external"]
 SchedulingPolicy = Literal["fcfs", "priority"]
+PoolRole = Literal["interactive", "batch"]
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -198,7 +205,8 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # A replica that has served this long resets its pool's failure count.
     healthy_after_s: PosFloat = 120.0
     # A pending replica pinned to a node whose cache holds its model (poolmgr/placement.py)
-    # is replaced by an unpinned one once that node has been down or drained this long.
+    # is replaced by an unpinned one once it has waited for that node this long (down,
+    # drained, or busy with other jobs); the node is then not pinned to for as long again.
     pin_wait_s: NonNegFloat = 60.0
 
 
@@ -230,6 +238,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # interactive, gateway/batch/priority.py); with equal priorities it is first come, first
     # served, so it is the default. "fcfs" ignores priorities.
     scheduling_policy: SchedulingPolicy = "priority"
+    # "batch": the pool runs Batch API and batch-tenant work; interactive requests avoid it
+    # while an interactive replica of the model exists (router/policies/pool_roles.py).
+    role: PoolRole = "interactive"
 
     @property
     def model(self) -> str:
@@ -455,10 +466,13 @@ def _check_semantics(cfg: PlatformConfig) -> None:
             f"({cfg.slurm.drain_s}) must be less than slurm.time_limit_min ({limit_s} s), or "
             "every replica is replaced as soon as it starts"
         )
-    models = [p.model for p in cfg.pools]
-    for model in models:
-        if models.count(model) > 1:
-            raise ConfigError(f"pools: model {model!r} is served by two pools; give each its own")
+    served = [(p.model, p.role) for p in cfg.pools]
+    for model, role in served:
+        if served.count((model, role)) > 1:
+            raise ConfigError(
+                f"pools: model {model!r} is served by two pools of role {role!r}; give each its "
+                "own (a model may have one interactive and one batch pool)"
+            )
 
 
 def _check_health(health: HealthConfig) -> None:

@@ -239,9 +239,9 @@ class PoolManager:
         return plan
 
     def _retire_stranded_pins(self, observation: Observation, now: float) -> Observation:
-        """A pending replica pinned to a node (placement by cache) that has been down or
-        drained for poolmgr.pin_wait_s is retired like a job on a bad node: cancelled, and
-        replaced by one that placement does not pin there."""
+        """A pending replica pinned to a node (placement by cache) that has waited for it
+        (down, drained, or busy: it lost the race) for poolmgr.pin_wait_s is retired like a
+        job on a bad node: cancelled, and replaced by one that placement does not pin there."""
         pinned_by_us = [
             job
             for job, ident in observation.ours
@@ -253,15 +253,17 @@ class PoolManager:
         self.pin_watch.wait_s = self.config.poolmgr.pin_wait_s
         known = set(self.pin_watch.since)
         stranded = self.pin_watch.stranded(pinned_by_us, self._nodes, now)
+        why = {job.job_id: job.state_reason for job in pinned_by_us}
         for job_id in self.pin_watch.since.keys() - known:
-            log.info("job %d waits for a pinned node that is down or drained", job_id)
+            log.info("job %d waits for its pinned node (%s)", job_id, why.get(job_id, "?"))
         if not stranded:
             return observation
         for job_id, nodes in stranded.items():
             log.warning(
-                "job %d: pinned node %s down or drained for %gs or more; replacing it unpinned",
+                "job %d: waited for pinned node %s (%s) for %gs or more; replacing it unpinned",
                 job_id,
                 ",".join(nodes),
+                why.get(job_id, "?"),
                 self.pin_watch.wait_s,
             )
         jobs = [
@@ -332,6 +334,7 @@ class PoolManager:
             nodes_per_job=pool.nodes_per_replica,
             partition=self.config.slurm.partition,
             sbatch_args=[*self.config.slurm.extra_args, *pool.sbatch_args],
+            avoid=self.pin_watch.avoided(now),
         )
         for pin in pins:
             script = render(build_job_spec(self.config, pool, model))

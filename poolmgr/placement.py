@@ -13,18 +13,23 @@ one can start the job now: up, not drained, in the partition, with the GPUs free
 total minus used). Several jobs of one submission are spread over the holders' free GPUs;
 the rest go unconstrained, and so does everything when no holder has room.
 
-A pinned job can still be stranded: its node goes down or is drained after submission, and
-a `--nodelist` job waits for it forever. `PinWatch` finds such jobs (pending, pinned, a
-pinned node down, drained or gone in the node listing, or named unavailable by Slurm's
-pending reason) and reports those stranded for `wait_s`; the pool manager then replaces
-them (reconcile retires them like jobs on a bad node), and the replacement is not pinned
-there since placement skips down and drained nodes.
+A pinned job can still be stranded, and a `--nodelist` job waits for its node forever:
+the node goes down or is drained after submission, or it stays up but the job loses the
+race for it (another job takes the free GPUs first: reason `Resources`; jobs ahead of it
+will: `Priority`). `PinWatch` finds such jobs (pending, pinned, and a pinned node down,
+drained or gone in the node listing, or a pending reason that waits for nodes) and reports
+those stranded for `wait_s`; the pool manager then replaces them (reconcile retires them
+like jobs on a bad node). The replacement is not pinned there: placement skips down and
+drained nodes, and `PinWatch.avoided` holds the nodes of stranded jobs out of placement for
+another `wait_s` (a node can look free and still not start the job: memory, a reservation,
+a higher-priority job planned there). Reasons that would hold an unpinned job as well
+(BeginTime, Dependency, holds, QOS limits) do not count: unpinning would not help.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hpcserve.poolmgr.slurm_parse import (
@@ -32,6 +37,7 @@ from hpcserve.poolmgr.slurm_parse import (
     SlurmJob,
     SlurmNode,
     unavailable_required_nodes,
+    waits_for_nodes,
 )
 
 _GPU_COUNT = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")
@@ -69,14 +75,16 @@ def placements(
     jobs: int,
     gpus_per_job: int,
     partition: str = "",
+    avoid: Collection[str] = (),
 ) -> list[str]:
     """For each of `jobs` one-node jobs, a holder to pin it to ("" for none), the holder
     with room for the most such jobs first. A job needs `gpus_per_job` free GPUs and at
-    least one free CPU."""
+    least one free CPU. Nodes in `avoid` are never chosen."""
     room = {
         n.name: _room(n, gpus_per_job)
         for n in nodes
         if n.name in holders
+        and n.name not in avoid
         and not (n.drained or n.down)
         and (not partition or partition in n.partitions)
     }
@@ -110,6 +118,7 @@ def job_pins(
     nodes_per_job: int = 1,
     partition: str = "",
     sbatch_args: Sequence[str] = (),
+    avoid: Collection[str] = (),
 ) -> list[str]:
     """The node to pin each of `jobs` new replicas to ("" for none): a node that holds
     `cache_key` and can start it now. None for a model outside the registry (no key), a
@@ -122,6 +131,7 @@ def job_pins(
         jobs=jobs,
         gpus_per_job=gpus_per_job,
         partition=partition,
+        avoid=avoid,
     )
 
 
@@ -149,20 +159,44 @@ def unavailable_pin(job: SlurmJob, nodes: Sequence[SlurmNode]) -> list[str]:
     return bad + [n for n in named if n in job.required_nodes and n not in bad]
 
 
+def pin_wait(job: SlurmJob, nodes: Sequence[SlurmNode]) -> list[str]:
+    """The pinned nodes a pending pinned job waits for: the unavailable ones
+    (`unavailable_pin`), else all of them when Slurm's pending reason says it waits for
+    nodes (up but busy: it lost the race for them). Empty when it waits for nothing of
+    its pin (not pending, not pinned, held, waiting for its begin time or a dependency)."""
+    bad = unavailable_pin(job, nodes)
+    if bad or job.state is not JobState.PENDING or not job.required_nodes:
+        return bad
+    if waits_for_nodes(job.state_reason, job.state_description):
+        return list(job.required_nodes)
+    return []
+
+
 @dataclass
 class PinWatch:
-    """Pending pinned jobs whose node went away, and since when each was seen so."""
+    """Pending pinned jobs that wait for their pinned nodes, and since when each was seen so;
+    and the nodes that stranded such a job, held out of placement for a while."""
 
     wait_s: float
     since: dict[int, float] = field(default_factory=dict)
+    avoid_until: dict[str, float] = field(default_factory=dict)
 
     def stranded(
         self, jobs: Iterable[SlurmJob], nodes: Sequence[SlurmNode], now: float
     ) -> dict[int, list[str]]:
-        """job id -> its unavailable pinned nodes, for the jobs seen stranded (this call and
-        every call since) for at least `wait_s`; a job that recovers starts over."""
-        seen = {job.job_id: bad for job in jobs if (bad := unavailable_pin(job, nodes))}
+        """job id -> the pinned nodes it waits for, for the jobs seen waiting (this call and
+        every call since) for at least `wait_s`; a job that recovers starts over. Their
+        nodes are avoided (`avoided`) for the next `wait_s`."""
+        seen = {job.job_id: bad for job in jobs if (bad := pin_wait(job, nodes))}
         self.since = {job_id: self.since.get(job_id, now) for job_id in seen}
-        return {
+        out = {
             job_id: bad for job_id, bad in seen.items() if now - self.since[job_id] >= self.wait_s
         }
+        for name in {name for bad in out.values() for name in bad}:
+            self.avoid_until[name] = now + self.wait_s
+        return out
+
+    def avoided(self, now: float) -> set[str]:
+        """Nodes not to pin new jobs to: they stranded a pinned job within `wait_s`."""
+        self.avoid_until = {n: t for n, t in self.avoid_until.items() if t >= now}
+        return set(self.avoid_until)

@@ -367,6 +367,21 @@ def unavailable_required_nodes(reason: str, description: str) -> list[str] | Non
     return None
 
 
+# Pending reasons of a job that waits for nodes: busy ones (Resources: not enough free now;
+# Priority: jobs ahead of it will take them). Other reasons (BeginTime, Dependency, JobHeld*,
+# QOS and association limits) would hold the job wherever it were allowed to run.
+_WAITS_FOR_BUSY_NODES = ("Resources", "Priority")
+
+
+def waits_for_nodes(reason: str, description: str) -> bool:
+    """Whether a pending job's reason says it waits for nodes, busy or unavailable: for a
+    job pinned with --nodelist, a wait for its pin."""
+    return (
+        reason in _WAITS_FOR_BUSY_NODES
+        or unavailable_required_nodes(reason, description) is not None
+    )
+
+
 def parse_squeue_json(text: str | bytes) -> SqueueSnapshot:
     """`squeue --json` of any release -> SqueueSnapshot (every job Slurm still remembers)."""
     doc = _load(text, "squeue --json output")

@@ -174,6 +174,8 @@ def _health_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
 
 def _job_env(pool: PoolConfig, model: ResolvedModel) -> tuple[tuple[str, str], ...]:
     env = dict(pool.env)
+    if pool.role != "interactive":
+        env["HPCSERVE_POOL_ROLE"] = pool.role  # read by `hpcserve engine --role`
     if model.lora_plan:
         env["HPCSERVE_LORA_PLAN"] = model.lora_plan  # read by `hpcserve engine --lora-plan`
     return tuple(sorted(env.items()))

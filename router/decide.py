@@ -8,11 +8,12 @@ for those that do not), the session table and the configured policy.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from hpcserve.config import RoutingConfig
 from hpcserve.router import protocol as p
@@ -24,6 +25,32 @@ from hpcserve.router.policies.base import Cached, RouteContext, RouteRequest
 from hpcserve.router.prefix_index import PrefixIndex
 from hpcserve.router.registry import Registry, Replica
 from hpcserve.router.replica_table import ReplicaTable
+
+
+class RoutedTokens(Collector):
+    """Prompt tokens of routed requests that sent block hashes, and of those the tokens the
+    index showed cached on the chosen replica (their ratio: the predicted prefix hit rate),
+    per model; read from the Decider's plain counts at scrape time."""
+
+    def __init__(self, counts: dict[str, list[int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        prompt = CounterMetricFamily(
+            "hpcserve_router_prompt_tokens",
+            "Prompt tokens of routed requests (those that sent block hashes)",
+            labels=["model"],
+        )
+        cached = CounterMetricFamily(
+            "hpcserve_router_cached_prompt_tokens",
+            "Of those, tokens the index showed cached on the chosen replica",
+            labels=["model"],
+        )
+        for model, (prompt_tokens, cached_tokens) in list(self.counts.items()):
+            prompt.add_metric([model], prompt_tokens)
+            cached.add_metric([model], cached_tokens)
+        yield prompt
+        yield cached
 
 
 class Decider:
@@ -44,32 +71,18 @@ class Decider:
         self.policy = build_policy(config, rng)
         self.approx = RoutedPrefixes(self.index, config.approx_ttl_s, config.approx_max_blocks)
         self.sessions = SessionAffinity(config.session_ttl_s, config.session_max)
-        prom = metrics_registry or CollectorRegistry()
-        self.prompt_tokens = Counter(
-            "hpcserve_router_prompt_tokens_total",
-            "Prompt tokens of routed requests (those that sent block hashes)",
-            ["model"],
-            registry=prom,
-        )
-        self.cached_tokens_routed = Counter(
-            "hpcserve_router_cached_prompt_tokens_total",
-            "Of those, tokens the index showed cached on the chosen replica",
-            ["model"],
-            registry=prom,
-        )
-        self._model_counters: dict[str, tuple[Any, Any]] = {}
+        # Model -> [prompt tokens, cached prompt tokens] of routed requests: plain ints
+        # added to per decision, exposed as counters when scraped (RoutedTokens).
+        self.routed_tokens: dict[str, list[int]] = {}
+        (metrics_registry or CollectorRegistry()).register(RoutedTokens(self.routed_tokens))
         self._held_at: dict[int, float] = {}
-
-    def _counters(self, model: str) -> tuple[Any, Any]:
-        """The two per-model counters (labels() costs a lock and a dict build per call)."""
-        pair = self._model_counters.get(model)
-        if pair is None:
-            pair = (self.prompt_tokens.labels(model), self.cached_tokens_routed.labels(model))
-            self._model_counters[model] = pair
-        return pair
+        # The registered replica of each prefix-index slot (None: none), so that a match's
+        # slots become table rows without a lookup by id.
+        self._by_slot: list[Replica | None] = []
 
     # --- membership -----------------------------------------------------------------
     def replica_added(self, replica: Replica) -> None:
+        self._bind_slot(self.index.slot(replica.replica_id))
         spec = replica.spec
         if self.subscriber is not None and self.config.kv_events and spec.kv_events_endpoint:
             self.subscriber.watch(
@@ -79,7 +92,18 @@ class Decider:
                 spec.kv_events_topic or spec.replica_id,
             )
 
+    def _bind_slot(self, slot: int) -> Replica | None:
+        replica_id = self.index.replica_of(slot)
+        replica = self.registry.get(replica_id) if replica_id is not None else None
+        if slot >= len(self._by_slot):
+            self._by_slot.extend([None] * (slot + 1 - len(self._by_slot)))
+        self._by_slot[slot] = replica
+        return replica
+
     def replica_removed(self, replica_id: str) -> None:
+        slot = self.index.slot_of(replica_id)
+        if slot is not None and slot < len(self._by_slot):
+            self._by_slot[slot] = None
         if self.subscriber is not None:
             self.subscriber.unwatch(replica_id)
         self.approx.drop(replica_id)
@@ -109,20 +133,27 @@ class Decider:
             return None
         rows: list[int] = []
         tokens: list[int] = []
-        get, index = self.registry.get, self.index
+        by_slot, sizes, ids = self._by_slot, self.index.block_sizes, self.index.slot_ids
         model, block_size = request.model, request.block_size
         for slot, depth in zip(slots, depths, strict=True):
-            replica = get(index.replica_of(slot))  # type: ignore[arg-type]
-            if replica is None or replica.model != model or replica.row < 0:
+            replica = by_slot[slot] if slot < len(by_slot) else None
+            if replica is None or replica.replica_id != ids[slot]:
+                # The index reuses a dropped replica's slot (an unwatched stream, the
+                # approximate mode taking over): bind the slot to its replica now.
+                replica = self._bind_slot(slot)
+            if replica is None or replica.row < 0:
                 continue
-            size = index.slot_block_size(slot) or replica.spec.block_size
+            spec = replica.spec
+            if spec.model != model:
+                continue
+            size = sizes[slot] or spec.block_size
             if size and size != block_size:
                 continue  # hashes of another block size cannot match
             rows.append(replica.row)
             tokens.append(depth * block_size)
         if not rows:
             return None
-        return Cached(np.array(rows, np.int64), np.array(tokens, np.int64))
+        return Cached(rows, tokens)
 
     def _sticky(
         self, request: RouteRequest, table: ReplicaTable, now: float, allowed: np.ndarray | None
@@ -133,7 +164,7 @@ class Decider:
             return None
         if allowed is not None and not allowed[replica.row]:
             return None
-        mine, floor = table.load[replica.row], table.load.min()
+        mine, floor = table.load[replica.row], table.load_floor()
         if mine > floor + self.config.overload_abs and mine > self.config.overload_rel * floor:
             return None  # affinity never outweighs a queue
         return replica
@@ -170,7 +201,7 @@ class Decider:
         replica = self._sticky(request, table, now, allowed) if request.session_key else None
         if replica is None:
             if self.policy.uses_prefix and (
-                self.config.kv_capacity_tokens or table.kv_capacity.any()
+                self.config.kv_capacity_tokens or table.kv_capacity_rows
             ):
                 self._refresh_held(table, now)
             cached = self.cached_tokens(request, table) if self.policy.uses_prefix else None
@@ -180,10 +211,12 @@ class Decider:
         if replica is None:
             return None
         if request.block_hashes:
-            hit = cached.at(replica.row) if cached is not None else 0
-            prompt_counter, cached_counter = self._counters(request.model)
-            prompt_counter.inc(request.prompt_tokens)
-            cached_counter.inc(hit)
+            counts = self.routed_tokens.get(request.model)
+            if counts is None:
+                counts = self.routed_tokens[request.model] = [0, 0]
+            counts[0] += request.prompt_tokens
+            if cached is not None:
+                counts[1] += cached.at(replica.row)
         self.registry.routed(replica, request.prompt_tokens)
         table.note_routed(replica.row)
         if request.block_hashes:

@@ -111,7 +111,16 @@ class KvEventSubscriber:
             return
         self.unwatch(replica_id)
         if topic_b in self._streams:
-            self.unwatch(self._streams[topic_b].replica_id)
+            other = self._streams[topic_b].replica_id
+            # One SUB socket: streams are told apart by topic only.
+            log.warning(
+                "KV events topic %r of %s was %s's: following %s",
+                topic,
+                replica_id,
+                other,
+                replica_id,
+            )
+            self.unwatch(other)
         self.sub.connect(endpoint)
         stream = _Stream(replica_id, endpoint, replay_endpoint, last_event_at=self._clock())
         self._streams[topic_b] = stream
@@ -185,13 +194,11 @@ class KvEventSubscriber:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.metrics.bad.inc()
             return
-        self.index.apply(stream.replica_id, batch.events)
-        self.metrics.blocks.inc(
-            sum(len(e.block_hashes) for e in batch.events if isinstance(e, kw.BlockStored))
-        )
-        self.metrics.removed.inc(
-            sum(len(e.block_hashes) for e in batch.events if isinstance(e, kw.BlockRemoved))
-        )
+        stored, removed = self.index.apply(stream.replica_id, batch.events)
+        if stored:
+            self.metrics.blocks.inc(stored)
+        if removed:
+            self.metrics.removed.inc(removed)
         stream.last_event_at = self._clock()
         stream.prompt_sent_at = None
         self.metrics.batches.inc()

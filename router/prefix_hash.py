@@ -5,7 +5,8 @@ A block's hash covers its tokens and, through the chain, every token before it; 
 starts from a seed derived from the LoRA adapter name ("" for the base model), so the same
 tokens under different adapters never match. The router computes these from the
 `token_ids` of vLLM's BlockStored events; the requester (the gateway) computes the same
-from the prompt's tokens. 60-bit values, so each is a small Python int (32 bytes).
+from the prompt's tokens: h_i = hash((h_{i-1}, tuple of block i's token ids)), a signed
+64-bit int.
 
 Deterministic across processes: Python's hash of a tuple of ints does not depend on
 PYTHONHASHSEED (only str and bytes hashes do); the adapter name goes through blake2b.
@@ -31,19 +32,13 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: int) -> list[in
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     out: list[int] = []
-    h = parent
-    all_tokens = tuple(tokens)
-    for start in range(0, len(all_tokens) - block_size + 1, block_size):
-        h = hash((h, all_tokens[start : start + block_size])) & HASH_MASK
-        out.append(h)
+    append, h = out.append, parent
+    # zip(*[it] * n) yields the blocks as n-tuples, cut in C; a partial tail is dropped.
+    for block in zip(*[iter(tokens)] * block_size, strict=False):
+        h = hash((h, block))
+        append(h)
     return out
 
 
 def prompt_block_hashes(tokens: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
     return chain_hashes(tokens, block_size, chain_seed(adapter))
-
-
-def engine_key(block_hash: bytes | int) -> int:
-    """vLLM's block hash (sha256 bytes or an int) as a small int key, for this process
-    only (bytes hash with PYTHONHASHSEED): the engine's hash never leaves the router."""
-    return hash(block_hash) & HASH_MASK

@@ -4,9 +4,9 @@ Two maps:
 - ``holders``: our chained block hash (prefix_hash.py) -> bitmask of replica slots whose
   cache holds that block. A block held by one replica shares the slot's cached bit int,
   so the common case costs one dict entry and one 32-byte key.
-- per slot, ``engine``: vLLM's block hash (60 bits of it) -> our hash, the only place the
-  engine's hash is used: to find what a BlockRemoved removes and to chain a BlockStored
-  onto its parent.
+- per slot, ``engine``: vLLM's block hash (the bytes or int as decoded) -> our hash, the
+  only place the engine's hash is used: to find what a BlockRemoved removes and to chain
+  a BlockStored onto its parent.
 
 ``match`` walks a request's block hashes from the first, AND-ing masks: each replica's
 matched depth is where its bit drops out, so a lookup costs one dict get per matched
@@ -25,7 +25,9 @@ import heapq
 from collections.abc import Iterable, Sequence
 
 from hpcserve.router import kv_wire as kw
-from hpcserve.router.prefix_hash import HASH_MASK, chain_seed, engine_key
+from hpcserve.router.prefix_hash import chain_seed
+
+_BASE_SEED = chain_seed("")
 
 
 class PrefixIndex:
@@ -77,47 +79,57 @@ class PrefixIndex:
         self._engine[slot] = {}
 
     # --- events ---------------------------------------------------------------------
-    def apply(self, replica_id: str, events: Iterable[kw.KVEvent]) -> None:
-        slot = self.slot(replica_id)
+    def apply(self, replica_id: str, events: Iterable[kw.KVEvent]) -> tuple[int, int]:
+        """Apply one batch of a replica's events; the blocks it stored and removed."""
+        slot = self._slot_of.get(replica_id)
+        if slot is None:
+            slot = self.slot(replica_id)
+        stored = removed = 0
         for event in events:
             if isinstance(event, kw.BlockStored):
                 self.stored(slot, event)
+                stored += len(event.block_hashes)
             elif isinstance(event, kw.BlockRemoved):
                 self.removed(slot, event)
+                removed += len(event.block_hashes)
             elif isinstance(event, kw.AllBlocksCleared):
                 self._clear_slot(slot)
+        return stored, removed
 
     def stored(self, slot: int, event: kw.BlockStored) -> None:
         engine = self._engine[slot]
-        if event.parent_block_hash is None:
-            h = chain_seed(event.lora_name or "")
+        parent = event.parent_block_hash
+        if parent is None:
+            h = chain_seed(event.lora_name) if event.lora_name else _BASE_SEED
         else:
-            parent = engine.get(engine_key(event.parent_block_hash))
-            if parent is None:
+            h = engine.get(parent)
+            if h is None:
                 self.orphans += 1
                 return
-            h = parent
-        tokens = tuple(event.token_ids)
-        n = len(event.block_hashes)
+        tokens = event.token_ids
+        hashes = event.block_hashes
+        n = len(hashes)
         size = event.block_size or (len(tokens) // n if n else 0)
         if size <= 0 or len(tokens) < n * size:
             self.orphans += 1
             return
         self._block_size[slot] = size
-        holders, bit, mask = self._holders, self._bits[slot], HASH_MASK
-        start = 0
-        for block_hash in event.block_hashes:
-            # Inlined chain_hashes and engine_key: this loop is the ingest rate.
-            h = hash((h, tokens[start : start + size])) & mask
-            start += size
-            engine[hash(block_hash) & mask] = h
-            old = holders.get(h)
-            holders[h] = bit if old is None else old | bit
+        holders, bit = self._holders, self._bits[slot]
+        setdefault = holders.setdefault
+        # prefix_hash.chain_hashes inlined (this loop is the ingest rate): zip(*(it,) * size)
+        # cuts the blocks in C, reusing one tuple; tokens past the n blocks are ignored.
+        blocks = zip(*(iter(tokens),) * size, strict=False)
+        for block_hash, block in zip(hashes, blocks, strict=False):
+            h = hash((h, block))
+            engine[block_hash] = h
+            old = setdefault(h, bit)
+            if old is not bit:
+                holders[h] = old | bit
 
     def removed(self, slot: int, event: kw.BlockRemoved) -> None:
         engine = self._engine[slot]
         for block_hash in event.block_hashes:
-            ours = engine.pop(engine_key(block_hash), None)
+            ours = engine.pop(block_hash, None)
             if ours is not None:
                 self._discard(slot, ours)
 
@@ -163,8 +175,16 @@ class PrefixIndex:
         if not alive:
             return slots, depths
         depth = 1
-        for h in hashes[1:]:
-            still = alive & holders.get(h, 0)
+        get = holders.get
+        rest = iter(hashes)
+        next(rest)
+        for h in rest:
+            mask = get(h, 0)
+            # Blocks held by one replica share its cached bit: the same holders, no AND.
+            if mask is alive:
+                depth += 1
+                continue
+            still = alive & mask
             if still != alive:
                 lost = alive & ~still
                 while lost:
@@ -182,6 +202,20 @@ class PrefixIndex:
             depths.append(depth)
             alive ^= low
         return slots, depths
+
+    def slot_of(self, replica_id: str) -> int | None:
+        """The replica's slot, if it has one (`slot` allocates one)."""
+        return self._slot_of.get(replica_id)
+
+    @property
+    def block_sizes(self) -> list[int]:
+        """Each slot's block size as its events gave it (0: none yet); read-only."""
+        return self._block_size
+
+    @property
+    def slot_ids(self) -> list[str | None]:
+        """Each slot's replica id (None: free); read-only."""
+        return self._ids
 
     def replica_of(self, slot: int) -> str | None:
         return self._ids[slot]

@@ -11,7 +11,8 @@ Two conversations, each on its own router socket:
   replica, e.g. after a router restart). The router may also send LoadAdapter (load a
   LoRA adapter on demand), which the agent answers with AdapterLoaded.
 - routing (gateway DEALER -> router ROUTER): Route -> RouteReply,
-  Release (fire and forget), ListModels -> ModelList, ListReplicas -> ReplicaList.
+  Release and InFlight (fire and forget), ListModels -> ModelList, ListReplicas ->
+  ReplicaList.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     # The registry version it serves (name@version; empty for a model_path pool): the pool
     # manager records it in the registry, so a version in use cannot be removed.
     model_ref: str = ""
+    # Its pool's role (pools[].role): "interactive" or "batch" (router/policies/pool_roles.py).
+    role: str = "interactive"
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -142,6 +145,9 @@ class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
     model: str = ""
     # error "over_queue_budget": the shortest queue wait the router estimated, seconds.
     queue_wait_s: float = 0.0
+    # The router's epoch (new at every start, QuotaTotals.epoch): a gateway that sees it
+    # change re-declares the requests it has in flight (InFlight).
+    epoch: str = ""
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -185,11 +191,25 @@ class ReplicaInfo(msgspec.Struct, frozen=True):
     load: ReplicaLoad
     cached: list[str] = []  # its node's cache entries when it registered
     model_ref: str = ""  # the registry version it serves
+    role: str = "interactive"  # its pool's role (Register.role)
 
 
 class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
     request_id: int
     replicas: list[ReplicaInfo] = []
+    epoch: str = ""  # the router's (RouteReply.epoch)
+    # Alias name -> the registry version it routes to (name@version, canary aside): the
+    # gateway routes aliases on these while the router is away (gateway/replica_view.py).
+    aliases: dict[str, str] = {}
+
+
+class InFlight(msgspec.Struct, frozen=True, tag="in_flight"):
+    """Requests a gateway has in flight that this router did not route (it restarted since,
+    or the gateway routed them while it was away): counted in flight until released.
+    One entry per request, as Route.released / released_models."""
+
+    replica_ids: list[str] = []
+    models: list[str] = []
 
 
 class UsageSlot(msgspec.Struct, frozen=True):
@@ -286,7 +306,9 @@ class HealthEvents(msgspec.Struct, frozen=True, tag="health_events"):
 
 RegistryMessage = Register | Heartbeat | Deregister | AdapterLoaded | HealthReport
 RegistryReply = RegistryAck | ReRegister | LoadAdapter
-RoutingMessage = Route | Release | ListModels | ListReplicas | QuotaReport | ListHealthEvents
+RoutingMessage = (
+    Route | Release | ListModels | ListReplicas | QuotaReport | ListHealthEvents | InFlight
+)
 RoutingReply = RouteReply | ModelList | ReplicaList | QuotaTotals | HealthEvents
 
 _encoder = msgspec.msgpack.Encoder()

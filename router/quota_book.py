@@ -16,6 +16,8 @@ sent with every `QuotaTotals`. A gateway that sees the epoch change sends its wh
 window once (`TenantUsage.window`, per second: how long ago, requests, tokens), which
 replaces what the new book holds for it, so every gateway's last minute is back within
 one sync interval. Usage of a gateway that died before the router came back is lost.
+The same epoch is the router's (RouterServer.epoch, in every RouteReply and ReplicaList):
+gateways re-declare their requests in flight when it changes (gateway/routing_client.py).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class Replica:
             load=self.load,
             cached=self.spec.cached,
             model_ref=self.spec.model_ref,
+            role=self.spec.role,
         )
 
 

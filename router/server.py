@@ -2,7 +2,9 @@
 
 Both are ZeroMQ ROUTER sockets the router binds (it is the stable side); engines
 and gateways connect DEALERs. One thread owns both sockets and polls them with a
-timeout, so lease expiry runs even when no message arrives.
+timeout, so lease expiry runs even when no message arrives. The registry socket is
+libzmq's (CURVE); the routing socket speaks ZMTP on plain sockets in the same poll
+(router/zmtp.py: no libzmq I/O thread between a gateway's Route and the decision).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hpcserve.router.prefix_index import PrefixIndex
 from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET, within_budget
 from hpcserve.router.quota_book import QuotaBook
 from hpcserve.router.registry import Registry
+from hpcserve.router.zmtp import ZmtpRouter
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +91,16 @@ class RouterServer:
         context: zmq.Context | None = None,
         adapters: AdapterRouter | None = None,
         aliases: AliasRouter | None = None,
+        routing_socket: str = "zmtp",
     ) -> None:
+        """routing_socket: "zmtp" (router/zmtp.py), or "libzmq" (a libzmq ROUTER, kept to
+        compare the two in bench/router_roundtrip.py)."""
         self.config = config
         self.adapters = adapters or AdapterRouter(AdapterCatalog.empty(), clock=clock)
         self.registry = Registry(config.lease_s)
         self.quotas = QuotaBook()
+        # New at every start: the quota book's, and in RouteReply for in-flight re-declaration.
+        self.epoch = self.quotas.epoch
         self.health_log = HealthEventLog()
         prom = metrics_registry or CollectorRegistry()
         self.metrics = RouterMetrics(prom)
@@ -121,6 +129,11 @@ class RouterServer:
         self._stop = threading.Event()
         self._registry_sock: zmq.Socket | None = None
         self._routing_sock: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._routing: ZmtpRouter | None = None
+        if routing_socket not in ("zmtp", "libzmq"):
+            raise ValueError(f"routing_socket {routing_socket!r}: expected zmtp or libzmq")
+        self._routing_socket = routing_socket
         self._auth: ThreadAuthenticator | None = None
         self.ready = threading.Event()
         self._published_models: set[str] = set()
@@ -133,12 +146,20 @@ class RouterServer:
             self._auth = start_authenticator(self._ctx, Path(curve_dir))
         try:
             self._registry_sock = self._bind(self.config.registry_bind, curve_dir)
-            self._routing_sock = self._bind(self.config.routing_bind)
+            if self._routing_socket == "zmtp":
+                try:
+                    self._routing = ZmtpRouter(self.config.routing_bind, self._poller)
+                except ValueError as err:
+                    raise RuntimeError(str(err)) from None
+                self._routing.bind()
+            else:
+                self._routing_sock = self._bind(self.config.routing_bind)
         except RuntimeError:
             # Nothing of this server stays open when it cannot start (a caller may retry).
             if self._registry_sock is not None:
                 self._registry_sock.close(0)
                 self._registry_sock = None
+            self._routing = None
             self.kv_events.close()
             if self._auth is not None:
                 self._auth.stop()
@@ -169,10 +190,11 @@ class RouterServer:
     def serve_forever(self) -> None:
         if self._registry_sock is None:
             self.bind()
-        assert self._registry_sock is not None and self._routing_sock is not None
-        poller = zmq.Poller()
+        assert self._registry_sock is not None
+        poller = self._poller
         poller.register(self._registry_sock, zmq.POLLIN)
-        poller.register(self._routing_sock, zmq.POLLIN)
+        if self._routing_sock is not None:
+            poller.register(self._routing_sock, zmq.POLLIN)
         poller.register(self.kv_events.sub, zmq.POLLIN)
         tick_s = min(self.config.lease_s / 4, 0.5)
         # Leases, KV-stream timers and gauges need not run on every message: at most this often.
@@ -189,7 +211,9 @@ class RouterServer:
                     self.kv_events.on_replay(replay)
                 if self._registry_sock in events:
                     self._drain(self._registry_sock, self._on_registry)
-                if self._routing_sock in events:
+                if self._routing is not None:
+                    self._serve_routing(self._routing, events)
+                elif self._routing_sock in events:
                     self._drain_routing(self._routing_sock)
                 now = self._clock()
                 if now >= next_housekeeping or replays:
@@ -200,7 +224,10 @@ class RouterServer:
                     self._publish_gauges()
         finally:
             self._registry_sock.close(0)
-            self._routing_sock.close(0)
+            if self._routing is not None:
+                self._routing.close()
+            if self._routing_sock is not None:
+                self._routing_sock.close(0)
             self.kv_events.close()
             if self._auth is not None:
                 self._auth.stop()
@@ -219,6 +246,15 @@ class RouterServer:
                 ).inc()
                 continue
             handler(sock, frames[0], frames[1])
+
+    def _serve_routing(self, routing: ZmtpRouter, events: dict) -> None:
+        """A gateway sends the messages of one event-loop iteration as the frames of one
+        message; the replies go back the same way."""
+        on_routing = self._on_routing
+        for peer, frames in routing.receive(events):
+            replies = [r for r in map(on_routing, frames) if r is not None]
+            if replies:
+                routing.send(peer, replies)
 
     def _drain_routing(self, sock: zmq.Socket) -> None:
         """A gateway sends the messages of one event-loop iteration as the frames of one
@@ -285,6 +321,9 @@ class RouterServer:
             case p.Release():
                 self._released(msg.replica_id, msg.model)
                 return None
+            case p.InFlight():
+                self._declared(msg)
+                return None
             case p.ListModels():
                 reply = p.ModelList(
                     msg.request_id,
@@ -297,7 +336,12 @@ class RouterServer:
                 )
             case p.ListReplicas():
                 now = self._clock()
-                reply = p.ReplicaList(msg.request_id, [r.info(now) for r in self.registry])
+                reply = p.ReplicaList(
+                    msg.request_id,
+                    [r.info(now) for r in self.registry],
+                    self.epoch,
+                    {a.name: a.target for a in self.aliases.catalog.all()},
+                )
             case p.QuotaReport():
                 reply = self.quotas.report(msg, self._clock())
             case p.ListHealthEvents():
@@ -319,6 +363,18 @@ class RouterServer:
         self.registry.deregister(msg.replica_id, f"health: {details}")
         self.adapters.forget(msg.replica_id)
         return p.RegistryAck(msg.replica_id, 0.0)
+
+    def _declared(self, msg: p.InFlight) -> None:
+        """A gateway's requests in flight that this router did not route, counted as routed
+        (per replica, and per LoRA adapter); releases follow as for any routed request."""
+        for i, replica_id in enumerate(msg.replica_ids):
+            replica = self.registry.get(replica_id)
+            if replica is None:
+                continue
+            self.registry.routed(replica)
+            model = msg.models[i] if i < len(msg.models) else ""
+            if model and model != replica.model and self.adapters.is_adapter(model):
+                self.adapters.routed(replica_id, model)
 
     def _released(self, replica_id: str, model: str) -> None:
         self.registry.released(replica_id)
@@ -367,7 +423,9 @@ class RouterServer:
         if adapter:
             self.adapters.routed(replica.replica_id, msg.model)
         self.metrics.routed.inc()
-        return p.RouteReply(msg.request_id, replica.replica_id, replica.spec.url, model=served_as)
+        return p.RouteReply(
+            msg.request_id, replica.replica_id, replica.spec.url, model=served_as, epoch=self.epoch
+        )
 
     def _publish_gauges(self) -> None:
         models = self.registry.models()

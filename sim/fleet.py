@@ -39,6 +39,7 @@ from typing import Any
 import uvicorn
 
 from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.ports import free_ports
 from hpcserve.router import protocol as p
 from hpcserve.sim.engine import KVEventsConfig, SimConfig, SimEngine
 from hpcserve.sim.options import OptionsError, add_arguments, sim_config
@@ -57,25 +58,6 @@ def _bound_socket(host: str) -> socket.socket:
     sock.listen(1024)
     sock.set_inheritable(True)
     return sock
-
-
-class _PortPicker:
-    """Free ports, distinct from each other: each stays bound until ``release``."""
-
-    def __init__(self, host: str) -> None:
-        self.host = host
-        self._held: list[socket.socket] = []
-
-    def pick(self) -> int:
-        s = socket.socket()
-        s.bind((self.host, 0))
-        self._held.append(s)
-        return int(s.getsockname()[1])
-
-    def release(self) -> None:
-        for s in self._held:
-            s.close()
-        self._held.clear()
 
 
 @dataclass
@@ -124,6 +106,7 @@ class SimFleet:
         *,
         router: str,
         pool: str = "",
+        role: str = "interactive",
         host: str = "127.0.0.1",
         advertise_host: str = "",
         heartbeat_s: float = 2.0,
@@ -139,35 +122,41 @@ class SimFleet:
         advertise = advertise_host or host
         run_id = uuid.uuid4().hex[:6]
         self.replicas: list[FleetReplica] = []
-        ports = _PortPicker(host)
+        # The KV-event sockets bind when the engines start, after these are chosen: from
+        # below the ephemeral range, where outgoing connections and port-0 binds never land.
+        kv_ports = free_ports(2 * replicas, "*") if kv_events else []
         for i in range(replicas):
             sock = _bound_socket(host)
             port = int(sock.getsockname()[1])
             kv: dict[str, Any] = {"block_size": config.hardware.block_size}
             replica_config = config
+            replica_id = f"{pool or config.served_model_name}-sim{i}-{run_id}"
             if kv_events:
-                pub, replay = ports.pick(), ports.pick()
+                pub, replay = kv_ports[2 * i], kv_ports[2 * i + 1]
+                # One topic per replica, as engine agents publish: the router tells the
+                # streams on its one SUB socket apart by topic.
+                topic = f"{KV_TOPIC}-{replica_id}"
                 replica_config = replace(
                     config,
-                    kv_events=KVEventsConfig(f"tcp://*:{pub}", f"tcp://*:{replay}", KV_TOPIC),
+                    kv_events=KVEventsConfig(f"tcp://*:{pub}", f"tcp://*:{replay}", topic),
                 )
                 kv |= {
                     "kv_events_endpoint": f"tcp://{advertise}:{pub}",
                     "kv_replay_endpoint": f"tcp://{advertise}:{replay}",
-                    "kv_events_topic": KV_TOPIC,
+                    "kv_events_topic": topic,
                 }
             registration = p.Register(
-                replica_id=f"{pool or config.served_model_name}-sim{i}-{run_id}",
+                replica_id=replica_id,
                 model=config.served_model_name,
                 url=f"http://{advertise}:{port}",
                 pool=pool,
                 node=socket.gethostname(),
                 max_model_len=config.limits.max_model_len,
                 **kv,
+                role=role,
             )
             engine = SimEngine(replica_config, tokenizer)
             self.replicas.append(FleetReplica(i, engine, sock, registration))
-        ports.release()
         apps = {r.port: build_app(r.engine, lifespan=False) for r in self.replicas}
         self.app = PortDispatch(apps, [r.engine for r in self.replicas])
 
@@ -231,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replicas", type=int, required=True)
     parser.add_argument("--router", required=True, help="the router's registry endpoint")
     parser.add_argument("--pool", default="")
+    parser.add_argument(
+        "--role", choices=["interactive", "batch"], default="interactive", help="the pool's role"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--advertise-host", default="")
     parser.add_argument("--heartbeat-s", type=float, default=2.0)
@@ -245,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
             load_tokenizer(args.model or None),
             router=args.router,
             pool=args.pool,
+            role=args.role,
             host=args.host,
             advertise_host=args.advertise_host,
             heartbeat_s=args.heartbeat_s,

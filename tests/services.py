@@ -8,8 +8,13 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import httpx
+
+from hpcserve.config import RouterConfig, dump_config, parse_config
+from tests.ports import free_port
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
@@ -47,6 +52,47 @@ def service(argv: list[str], url: str, timeout_s: float = 30) -> Iterator[subpro
 
 def gateway_argv(config_path: object) -> list[str]:
     return [sys.executable, "-m", "hpcserve.cli", "gateway", "--config", str(config_path)]
+
+
+@contextmanager
+def gateways(
+    router: RouterConfig,
+    gateway: dict[str, Any],
+    work: Path,
+    *,
+    count: int = 2,
+    model: str = "tiny",
+    timeout_s: float = 30,
+) -> Iterator[list[str]]:
+    """`count` gateway processes of one router, each from its own config file in `work` (the
+    `gateway` settings and a port of its own; `model` a pool of simulated engines); yields
+    their URLs once every one answers /health; always stopped."""
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    try:
+        for i in range(count):
+            port = free_port()
+            config = parse_config({
+                "router": {"registry_bind": router.registry_bind,
+                           "routing_bind": router.routing_bind,
+                           "lease_s": router.lease_s, "heartbeat_s": router.heartbeat_s},
+                "gateway": {**gateway, "port": port},
+                "pools": [{"name": model, "model_path": "/nonexistent", "engine": "sim"}],
+            })  # fmt: skip
+            path = work / f"gateway{i}.toml"
+            path.write_text(dump_config(config))
+            procs.append(
+                subprocess.Popen(
+                    gateway_argv(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+        for url, proc in zip(urls, procs, strict=True):
+            wait_healthy(url, proc, timeout_s)
+        yield urls
+    finally:
+        for proc in procs:
+            stop(proc)
 
 
 def sim_engine_argv(port: int, model: str, decode_ms: float, *extra: str) -> list[str]:

@@ -22,6 +22,12 @@ requests, which refills a finished request's place at once instead of after a ro
 through the gateway. Under the engines' priority scheduling (pools' default) that queue
 never delays an interactive request: it is admitted ahead of every queued batch request.
 
+A batch pool's engines (pools[].role "batch", `batch_pool`) serve no interactive traffic,
+so their queue may be deeper: `BATCH_POOL_QUEUE` (a half of what runs) instead of a quarter,
+so a finished request's place is refilled from the engine's own queue; and a decrease never
+goes below what they run, so an overshoot that takes long to drain (long outputs) does not
+drive the bound to its minimum and starve them once it has drained.
+
 Failure mode: with stale loads (a router outage) nothing changes; the bound stays within
 [`minimum`, `maximum`] whatever the engines report.
 """
@@ -33,6 +39,7 @@ QUEUE_LOW = 1.0
 QUEUE_HIGH = 4.0
 DECREASE = 0.8
 TARGET_QUEUE = 0.25  # of what runs, after a decrease
+BATCH_POOL_QUEUE = 0.5  # the same for a batch pool's engines
 SLOW_START = 2.0
 
 
@@ -43,6 +50,11 @@ class AdaptiveLimit:
         self.value = float(min(max(initial, minimum), self.maximum))
         self.slow_start = True
         self.queued = False  # the engines queued a lot at the last step
+        self.batch_pool = False
+
+    @property
+    def queue_share(self) -> float:
+        return BATCH_POOL_QUEUE if self.batch_pool else TARGET_QUEUE
 
     @property
     def per_replica(self) -> int:
@@ -53,12 +65,14 @@ class AdaptiveLimit:
         returns the new bound per replica."""
         if not self.adaptive:
             return self.per_replica
-        queued = waiting > max(QUEUE_HIGH, running / 4)
+        queued = waiting > max(QUEUE_HIGH, running * self.queue_share)
         was_queued, self.queued = self.queued, queued
         if queued and was_queued:
-            # What runs is what the engines can batch: no more than a quarter above it, so an
+            # What runs is what the engines can batch: no more than queue_share above it, so an
             # overshoot (loads lag a heartbeat behind the bound) ends in one step.
-            target = min(self.value * DECREASE, running * (1 + TARGET_QUEUE))
+            target = min(self.value * DECREASE, running * (1 + self.queue_share))
+            if self.batch_pool:
+                target = max(target, running)
             self.value = max(float(self.minimum), target)
             self.slow_start = False
         elif not queued and waiting < max(QUEUE_LOW, running / 16) and held_back:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from hpcserve.config import BatchConfig
 from hpcserve.gateway.batch.execute import GatewayExecutor
 from hpcserve.gateway.batch.runner import BatchMetrics, BatchRunner
-from hpcserve.gateway.batch.slots import ModelLoad
+from hpcserve.gateway.batch.slots import ModelLoad, model_loads
 from hpcserve.gateway.batch.store import BatchStore
 
 if TYPE_CHECKING:
@@ -37,20 +37,9 @@ class BatchService:
     async def start(self, gateway: Gateway) -> None:
         self._store = await asyncio.to_thread(BatchStore, self.root)
 
-        async def model_loads() -> dict[str, ModelLoad]:
+        async def loads() -> dict[str, ModelLoad]:
             listing = await gateway.routing.models()
-            waiting: dict[str, int] = {}
-            running: dict[str, int] = {}
-            for replica in (await gateway.routing.replicas()).replicas:
-                waiting[replica.model] = waiting.get(replica.model, 0) + replica.load.waiting
-                running[replica.model] = running.get(replica.model, 0) + replica.load.running
-            # An adapter queues on its base model's engines; an alias's are not known here.
-            return {
-                m.id: ModelLoad(
-                    m.replicas, waiting.get(m.parent or m.id), running.get(m.parent or m.id, 0)
-                )
-                for m in listing.models
-            }
+            return model_loads(listing.models, (await gateway.routing.replicas()).replicas)
 
         self._runner = BatchRunner(
             self._store,
@@ -58,7 +47,7 @@ class BatchService:
             self.config,
             tenants={t.name: t for t in gateway.config.tenants},
             metrics=BatchMetrics(gateway.metrics_registry),
-            model_loads=model_loads,
+            model_loads=loads,
             quota=gateway.quota,
         )
         await self._runner.start()

@@ -2,6 +2,10 @@
 replicas. The bound per replica is `batch.concurrency_per_replica`, adapted to the
 engines' load when `batch.adaptive_concurrency` is on (concurrency.py).
 
+A model with a batch pool (pools[].role "batch") counts only that pool's replicas and
+their load, where the router sends its batch requests, and its bound always adapts, to a
+deeper queue (concurrency.py): no interactive traffic shares those engines.
+
 Waiters are served first come, first served, so several batches on one model take turns
 line by line instead of the oldest batch holding every slot.
 """
@@ -10,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpcserve.gateway.batch.concurrency import AdaptiveLimit
+from hpcserve.router.protocol import ModelInfo, ReplicaInfo
 
 
 class ModelSlots:
@@ -64,6 +70,34 @@ class ModelLoad:
     replicas: int
     waiting: int | None = None
     running: int = 0
+    # The replicas are the model's batch pool: its bound adapts whatever the config says.
+    batch_pool: bool = False
+
+
+def model_loads(
+    models: Sequence[ModelInfo], replicas: Sequence[ReplicaInfo]
+) -> dict[str, ModelLoad]:
+    """Each model's load as the batch bound sees it: its batch pool's replicas when it has
+    one, else all its replicas. An adapter queues on its base model's engines; an alias's
+    engines are not known here (waiting None)."""
+    engines: dict[str, list[ReplicaInfo]] = {}
+    for replica in replicas:
+        engines.setdefault(replica.model, []).append(replica)
+    loads: dict[str, ModelLoad] = {}
+    for model in models:
+        mine = engines.get(model.parent or model.id)
+        if mine is None:
+            loads[model.id] = ModelLoad(model.replicas)
+            continue
+        batch = [r for r in mine if r.role == "batch"]
+        counted = batch or mine
+        loads[model.id] = ModelLoad(
+            len(batch) if batch else model.replicas,
+            sum(r.load.waiting for r in counted),
+            sum(r.load.running for r in counted),
+            batch_pool=bool(batch),
+        )
+    return loads
 
 
 class PoolSlots:
@@ -111,6 +145,10 @@ class PoolSlots:
         self._loads = dict(loads)
         for model, slots in self._models.items():
             load = self._loads.get(model)
+            if load is not None:
+                limit = self._limits[model]
+                limit.adaptive = self.adaptive or load.batch_pool
+                limit.batch_pool = load.batch_pool
             if adapt and load is not None and load.replicas and load.waiting is not None:
                 self._limits[model].update(
                     running=load.running / load.replicas,

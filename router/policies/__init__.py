@@ -7,11 +7,12 @@ import random
 from hpcserve.config import RoutingConfig
 from hpcserve.router.policies.base import LowestCost, Policy, RoundRobin, Weighted
 from hpcserve.router.policies.filters import BatchYields, Routable, ServesAdapter
+from hpcserve.router.policies.pool_roles import PoolRoles
 from hpcserve.router.policies.scorers import KvPressure, Load, NewPrefill
 
 
 def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Policy:
-    filters = [Routable(), ServesAdapter(), BatchYields()]
+    filters = [Routable(), ServesAdapter(), PoolRoles(config.batch_lend_below), BatchYields()]
     if config.policy == "round-robin":
         return Policy("round-robin", filters, [], RoundRobin())
     if config.policy == "least-load":
@@ -20,7 +21,12 @@ def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Pol
         "kv-aware",
         filters,
         [
-            Weighted(NewPrefill(config.overload_abs, config.overload_rel, config.max_share), 1.0),
+            Weighted(
+                NewPrefill(
+                    config.overload_abs, config.overload_rel, config.max_share, config.share_factor
+                ),
+                1.0,
+            ),
             Weighted(Load(config.tokens_per_request), 1.0),
             Weighted(KvPressure(config.kv_capacity_tokens), config.kv_pressure_weight),
         ],

@@ -3,8 +3,10 @@
 A request is scored against one model's ReplicaTable (numpy vectors, row = replica):
 - a Filter returns a boolean keep-mask over rows, or None when it has nothing to drop
   (the common case, so a healthy fleet pays nothing for it);
-- a Scorer returns a cost vector in prompt-token units (lower is better); the policy sums
-  them with their weights;
+- a Scorer returns a cost in prompt-token units (lower is better): a vector over rows (a
+  new one: the policy sums into it), one number when it is the same for every row, or a
+  `Sparse` cost (a number or vector plus deltas on a few rows, e.g. a cache bonus); the
+  policy sums them with their weights;
 - the Picker takes the lowest total among kept rows, at random among exact ties, so
   equally cold, equally loaded replicas share the traffic.
 
@@ -38,25 +40,58 @@ class RouteRequest:
 
 @dataclass
 class Cached:
-    """Prompt tokens cached per row, sparse: only the few rows the prefix index matched."""
+    """Prompt tokens cached per row, sparse: only the few rows the prefix index matched
+    (lists, or numpy arrays)."""
 
-    rows: np.ndarray  # int row indexes
-    tokens: np.ndarray  # cached prompt tokens of each
+    rows: Sequence[int]  # row indexes, each once
+    tokens: Sequence[int]  # cached prompt tokens of each
 
     @classmethod
     def from_dense(cls, tokens: Sequence[int] | np.ndarray) -> Cached:
         dense = np.asarray(tokens, np.int64)
         rows = np.flatnonzero(dense)
-        return cls(rows, dense[rows])
+        return cls(rows.tolist(), dense[rows].tolist())
 
     def dense(self, n: int) -> np.ndarray:
         out = np.zeros(n, np.int64)
-        out[self.rows] = self.tokens
+        out[np.asarray(self.rows, np.intp)] = self.tokens
         return out
 
     def at(self, row: int) -> int:
-        rows = self.rows.tolist()  # a few rows: cheaper than three numpy calls
-        return int(self.tokens[rows.index(row)]) if row in rows else 0
+        for r, held in zip(self.rows, self.tokens, strict=True):
+            if r == row:
+                return int(held)
+        return 0
+
+
+# Up to this many rows, sparse work is done row by row on Python numbers: a numpy call on
+# a few elements costs more than the arithmetic (bench/router_cost.py).
+FEW_ROWS = 32
+
+
+@dataclass
+class Sparse:
+    """A cost of `base` (a number, or a new vector) on every row, plus `delta[i]` on row
+    `rows[i]` (each row once): e.g. a prompt's prefill less the cache bonus of the few
+    replicas that hold part of it, without a vector for the prompt."""
+
+    base: float | np.ndarray
+    rows: Sequence[int]
+    delta: Sequence[float]
+
+    def dense(self, n: int) -> np.ndarray:
+        return dense_cost(self, n)
+
+
+def dense_cost(cost: np.ndarray | float | Sparse, n: int) -> np.ndarray:
+    """Any scorer's cost as a new vector over n rows."""
+    if isinstance(cost, Sparse):
+        out = dense_cost(cost.base, n)
+        out[np.asarray(cost.rows, np.intp)] += np.asarray(cost.delta, np.float64)
+        return out
+    if isinstance(cost, np.ndarray):
+        return cost.astype(np.float64)
+    return np.full(n, float(cost))
 
 
 @dataclass
@@ -83,8 +118,9 @@ class Filter(Protocol):
 class Scorer(Protocol):
     name: str
 
-    def cost(self, ctx: RouteContext) -> np.ndarray | float:
-        """Per-row cost, or one number when it is the same for every row."""
+    def cost(self, ctx: RouteContext) -> np.ndarray | float | Sparse:
+        """Per-row cost (a new vector), one number when it is the same for every row, or
+        a Sparse cost."""
         ...
 
 
@@ -182,28 +218,50 @@ class Policy:
         return kept
 
     def total_cost(self, ctx: RouteContext) -> np.ndarray:
-        # One fresh vector accumulated in place; costs equal on every row add up as a number.
-        total: np.ndarray | None = None
-        same_for_all = 0.0
-        for w in self.scorers:
-            if not w.weight:
-                continue
-            cost = w.scorer.cost(ctx)
-            if not isinstance(cost, np.ndarray):
-                same_for_all += w.weight * cost
-            elif total is None:
-                total = cost * w.weight if w.weight != 1.0 else cost.astype(np.float64)
-            elif w.weight == 1.0:
-                total += cost
-            else:
-                total += w.weight * cost
+        total, same_for_all = self._sum(ctx)
         if total is None:
             return np.full(len(ctx.table), same_for_all)
         if same_for_all:
             total += same_for_all
         return total
 
+    def _sum(self, ctx: RouteContext) -> tuple[np.ndarray | None, float]:
+        """The weighted sum of the costs as (a new vector or None, a number to add to every
+        row): a cost equal on every row is kept apart, since it cannot change the choice."""
+        total: np.ndarray | None = None
+        same_for_all = 0.0
+        sparse: list[tuple[float, Sparse]] = []
+        for w in self.scorers:
+            weight = w.weight
+            if not weight:
+                continue
+            cost = w.scorer.cost(ctx)
+            if isinstance(cost, Sparse):
+                sparse.append((weight, cost))
+                cost = cost.base
+            if not isinstance(cost, np.ndarray):
+                same_for_all += weight * cost
+            elif total is None:  # the scorer's new vector: summed into in place
+                total = cost.astype(np.float64, copy=False) if weight == 1.0 else cost * weight
+            elif weight == 1.0:
+                total += cost
+            else:
+                total += weight * cost
+        if sparse:
+            if total is None:
+                total = np.zeros(len(ctx.table))
+            for weight, cost in sparse:
+                if len(cost.rows) <= FEW_ROWS:
+                    for row, delta in zip(cost.rows, cost.delta, strict=True):
+                        total[row] += weight * delta
+                else:
+                    total[np.asarray(cost.rows, np.intp)] += weight * np.asarray(cost.delta)
+        return total, same_for_all
+
     def pick(self, ctx: RouteContext) -> Replica | None:
         kept = self.keep_mask(ctx)
-        row = self.picker.pick(ctx, self.total_cost(ctx), kept)
+        total, _ = self._sum(ctx)
+        if total is None:
+            total = np.zeros(len(ctx.table))
+        row = self.picker.pick(ctx, total, kept)
         return None if row is None else ctx.table.replicas[row]

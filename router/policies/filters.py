@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hpcserve.router.policies.base import RouteContext
+from hpcserve.router.policies.pool_roles import usable_batch_pool
 
 
 class Routable:
@@ -34,12 +35,14 @@ class ServesAdapter:
 
 class BatchYields:
     """Priority: a batch request avoids replicas with interactive work queued, when an
-    idle-queued replica exists, so batch never waits in front of interactive traffic."""
+    idle-queued replica exists, so batch never waits in front of interactive traffic.
+    A model with a usable batch pool leaves batch placement to PoolRoles (pool_roles.py):
+    queues there are batch work."""
 
     name = "batch-yields"
 
     def keep(self, ctx: RouteContext) -> np.ndarray | None:
-        if ctx.request.priority != "batch":
+        if ctx.request.priority != "batch" or usable_batch_pool(ctx):
             return None
         mask = ctx.table.waiting == 0
         return mask if mask.any() else None

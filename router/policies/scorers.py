@@ -3,9 +3,10 @@
 - NewPrefill: prompt tokens this replica would have to compute (the prompt less its cached
   prefix). Over the overload gate a replica gets no cache bonus: affinity never outweighs
   a queue (the hot-spot bug of cache-aware routers). Over the share gate neither: in a
-  fleet of 3 or more, a replica that took more than `max_share` of the model's recent
-  requests loses its bonus, so one shared prompt spreads even at low concurrency, where
-  no queue ever forms and the overload gate never fires.
+  fleet of n >= 3, a replica that took more than min(`max_share`, `share_factor` / n) of
+  the model's recent requests loses its bonus, so one shared prompt spreads even at low
+  concurrency, where no queue ever forms and the overload gate never fires; the limit
+  scales with the fleet (3 to 20 replicas: 40%; 64: 12.5%, 8x the fair share).
 - Load: requests on the replica (routed and unreleased + the engine's waiting queue), in
   the token-equivalent `tokens_per_request`: Dynamo's decode-load term.
 - KvPressure: the prompt's new tokens times the replica's KV fill: the largest of what the
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcserve.router.policies.base import RouteContext
+from hpcserve.router.policies.base import FEW_ROWS, Cached, RouteContext, Sparse
 
 
 class NewPrefill:
@@ -32,59 +33,70 @@ class NewPrefill:
     SHARE_PRIOR = 1.0
 
     def __init__(
-        self, overload_abs: int = 4, overload_rel: float = 1.5, max_share: float = 0.4
+        self,
+        overload_abs: int = 4,
+        overload_rel: float = 1.5,
+        max_share: float = 0.4,
+        share_factor: float = 8.0,
     ) -> None:
         self.overload_abs = overload_abs
         self.overload_rel = overload_rel
         self.max_share = max_share
+        self.share_factor = share_factor
+
+    def share_limit(self, n: int) -> float | None:
+        """The share of recent requests past which a replica of n loses its cache bonus;
+        None: no share gate (fewer than 3 replicas, or max_share 1)."""
+        if n < 3 or self.max_share >= 1.0:
+            return None
+        return min(self.max_share, self.share_factor / n)
 
     def overloaded(self, ctx: RouteContext, rows: np.ndarray) -> np.ndarray:
-        load = ctx.load
-        floor = load.min() if len(load) else 0
-        mine = load[rows]
+        table = ctx.table
+        floor = table.load_floor()
+        mine = table.load[rows]
         gated = (mine > floor + self.overload_abs) & (mine > self.overload_rel * floor)
-        n = len(ctx.table)
-        if n >= 3 and self.max_share < 1.0:
-            share = ctx.table.recent_share
-            estimate = (share[rows] + self.SHARE_PRIOR / n) / (share.sum() + self.SHARE_PRIOR)
-            gated |= estimate > self.max_share
+        n = len(table)
+        limit = self.share_limit(n)
+        if limit is not None:
+            share = table.share_raw[rows] * table.share_scale
+            estimate = (share + self.SHARE_PRIOR / n) / (table.share_total + self.SHARE_PRIOR)
+            gated |= estimate > limit
         return gated
 
-    def cost(self, ctx: RouteContext) -> np.ndarray | float:
+    def cost(self, ctx: RouteContext) -> float | Sparse:
         prompt = max(ctx.request.prompt_tokens, 0)
         cached = ctx.cached_tokens
         if cached is None:
             return float(prompt)
-        # Dense work is one fill; the cache bonus touches only the matched rows.
-        cost = np.full(len(ctx.table), float(prompt))
+        # The prompt's prefill is the same on every row: only the bonus is per row.
         if len(cached.rows) <= self.FEW_ROWS:
-            self._bonus_few(ctx, cached.rows.tolist(), cached.tokens.tolist(), prompt, cost)
-            return cost
-        bonus = np.where(self.overloaded(ctx, cached.rows), 0, np.minimum(cached.tokens, prompt))
-        cost[cached.rows] -= bonus
-        return cost
+            return self._bonus_few(ctx, cached, prompt)
+        rows = np.asarray(cached.rows, np.intp)
+        held = np.minimum(np.asarray(cached.tokens, np.int64), prompt)
+        return Sparse(float(prompt), rows, -np.where(self.overloaded(ctx, rows), 0, held))
 
-    # Up to this many matched rows, the bonus is computed in plain Python: a dozen numpy
-    # calls on arrays of a few elements cost more than the arithmetic (router_cost.py).
-    FEW_ROWS = 32
+    FEW_ROWS = FEW_ROWS
 
-    def _bonus_few(
-        self, ctx: RouteContext, rows: list[int], tokens: list[int], prompt: int, cost: np.ndarray
-    ) -> None:
-        """`overloaded` and the bonus of `cost`, row by row, with the same arithmetic."""
-        load = ctx.load
-        floor = float(load.min()) if len(load) else 0.0
-        n = len(ctx.table)
-        share = ctx.table.recent_share if n >= 3 and self.max_share < 1.0 else None
-        if share is not None:
-            prior, total = self.SHARE_PRIOR / n, float(share.sum()) + self.SHARE_PRIOR
-        for row, held in zip(rows, tokens, strict=True):
+    def _bonus_few(self, ctx: RouteContext, cached: Cached, prompt: int) -> Sparse:
+        """`cost` for a few matched rows, row by row, with `overloaded`'s arithmetic."""
+        table = ctx.table
+        load, raw, scale = table.load, table.share_raw, table.share_scale
+        floor, n = table.load_floor(), len(table)
+        busy, busy_rel = floor + self.overload_abs, self.overload_rel * floor
+        limit = self.share_limit(n)
+        prior, total = self.SHARE_PRIOR / n, table.share_total + self.SHARE_PRIOR
+        rows: list[int] = []
+        delta: list[float] = []
+        for row, held in zip(cached.rows, cached.tokens, strict=True):
             mine = float(load[row])
-            if mine > floor + self.overload_abs and mine > self.overload_rel * floor:
+            if mine > busy and mine > busy_rel:
                 continue
-            if share is not None and (float(share[row]) + prior) / total > self.max_share:
+            if limit is not None and (float(raw[row]) * scale + prior) / total > limit:
                 continue
-            cost[row] = cost[row] - min(held, prompt)
+            rows.append(row)
+            delta.append(-min(held, prompt))
+        return Sparse(float(prompt), rows, delta)
 
 
 class Load:
@@ -106,18 +118,22 @@ class KvPressure:
     def cost(self, ctx: RouteContext) -> np.ndarray:
         table = ctx.table
         fill = table.kv_fill
-        capacity = table.kv_capacity  # as the engines report it, else the configured one
-        if self.capacity_tokens:
-            capacity = np.where(capacity > 0, capacity, self.capacity_tokens)
-        if capacity.any():
+        if self.capacity_tokens or table.kv_capacity_rows:
+            capacity = table.kv_capacity  # as the engines report it, else the configured one
+            if self.capacity_tokens:
+                capacity = np.where(capacity > 0, capacity, self.capacity_tokens)
             held = np.maximum(table.active_tokens, table.held_tokens)
             room = np.divide(held, capacity, out=np.zeros(len(held)), where=capacity > 0)
             fill = np.minimum(np.maximum(fill, room), 1.0)
         prompt = max(ctx.request.prompt_tokens, 0)
         cost = fill * prompt
         cached = ctx.cached_tokens
-        if cached is not None:
-            cost[cached.rows] -= fill[cached.rows] * np.minimum(cached.tokens, prompt)
+        if cached is not None and len(cached.rows) <= FEW_ROWS:
+            for row, held in zip(cached.rows, cached.tokens, strict=True):
+                cost[row] -= float(fill[row]) * min(held, prompt)
+        elif cached is not None:
+            rows = np.asarray(cached.rows, np.intp)
+            cost[rows] -= fill[rows] * np.minimum(np.asarray(cached.tokens), prompt)
         return cost
 
 

@@ -30,11 +30,13 @@ KEY_B = "sk-batch-tenant-b"
 ADMIN = "sk-batch-admin"
 
 
-def start_engine(router: RouterServer, *, decode_ms: float = 1.0) -> subprocess.Popen[str]:
+def start_engine(
+    router: RouterServer, *, decode_ms: float = 1.0, role: str = "interactive"
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "hpcserve.cli", "engine", "--engine", "sim",
          "--model-path", "/nonexistent", "--served-model-name", "sim", "--pool", "simpool",
-         "--router", router.config.registry_bind, "--bind-host", "127.0.0.1",
+         "--role", role, "--router", router.config.registry_bind, "--bind-host", "127.0.0.1",
          "--advertise-host", "127.0.0.1", "--heartbeat-s", "0.25", "--drain-s", "5",
          "--", "--decode-ms-per-token", str(decode_ms)],
         stdout=subprocess.DEVNULL,
@@ -54,9 +56,11 @@ class Engines:
         self.router = router
         self.procs: list[subprocess.Popen[str]] = []
 
-    def start(self, count: int = 1, *, decode_ms: float = 1.0) -> None:
+    def start(self, count: int = 1, *, decode_ms: float = 1.0, role: str = "interactive") -> None:
         before = len(list_replicas(self.router.config.routing_bind))
-        self.procs += [start_engine(self.router, decode_ms=decode_ms) for _ in range(count)]
+        self.procs += [
+            start_engine(self.router, decode_ms=decode_ms, role=role) for _ in range(count)
+        ]
         wait_for(
             f"{count} engine(s) to register",
             lambda: len(list_replicas(self.router.config.routing_bind)) >= before + count,
@@ -256,6 +260,45 @@ def test_the_openai_client_runs_a_batch_end_to_end(
     assert client.files.delete(upload.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(upload.id)
+
+
+def test_a_batch_runs_on_the_batch_pool_and_interactive_requests_stay_off_it(
+    engines: Engines, make_gateway: Callable[..., GatewayProcess], router: RouterServer
+) -> None:
+    engines.start(role="batch")
+    engines.start(role="interactive")
+    roles = {r.role: r.url for r in list_replicas(router.config.routing_bind)}
+    assert set(roles) == {"batch", "interactive"}
+    gateway = make_gateway()
+    client = gateway.client()
+    batch = submit(client, chat_lines(30, max_tokens=4))
+    for i in range(5):
+        answer = client.chat.completions.create(
+            model="sim", max_tokens=6, messages=[{"role": "user", "content": f"status {i}"}]
+        )
+        assert answer.usage is not None and answer.usage.completion_tokens == 6
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == 30
+
+    def served(url: str) -> dict[str, float]:
+        counts = {"vllm:request_success_total": 0.0, "vllm:generation_tokens_total": 0.0}
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in counts:
+                counts[name] += float(line.rsplit(" ", 1)[1])
+        return counts
+
+    # Every batch line (4 tokens) on the batch pool, every chat (6 tokens) on the other;
+    # besides them only the health monitor's one-token probes.
+    batch_pool, interactive = served(roles["batch"]), served(roles["interactive"])
+    assert (
+        batch_pool["vllm:generation_tokens_total"] - batch_pool["vllm:request_success_total"]
+        == 30 * 3
+    )
+    assert (
+        interactive["vllm:generation_tokens_total"] - interactive["vllm:request_success_total"]
+        == 5 * 5
+    )
 
 
 def test_a_bad_file_is_a_400_naming_every_bad_line(

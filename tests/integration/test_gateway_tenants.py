@@ -20,16 +20,14 @@ from hpcserve.config import (
     ExternalAPIConfig,
     GatewayConfig,
     TenantConfig,
-    dump_config,
     hash_api_key,
-    parse_config,
 )
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.tracing import Tracing
 from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
-from tests.services import gateway_argv, sim_engine_argv, stop, wait_healthy
+from tests.services import gateways, sim_engine_argv, wait_healthy
 
 MODEL = "tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
@@ -309,29 +307,12 @@ def test_limits_hold_across_two_gateway_processes(
     router: RouterServer, engines: dict[str, SimEngine], tmp_path: Path
 ) -> None:
     register(router, "fast", engines["fast"].url)
-    tenants = [{"name": "free", "requests_per_min": 4}]
-    procs, urls = [], []
-    for i in range(2):
-        port = free_port()
-        config = parse_config({
-            "router": {"registry_bind": router.config.registry_bind,
-                       "routing_bind": router.config.routing_bind,
-                       "lease_s": router.config.lease_s, "heartbeat_s": router.config.heartbeat_s},
-            "gateway": {"port": port, "quota_sync_s": 0.05, "tenants": tenants,
-                        "api_keys": [{"tenant": "free", "sha256": hash_api_key(key("free"))}]},
-            "pools": [{"name": MODEL, "model_path": "/nonexistent", "engine": "sim"}],
-        })  # fmt: skip
-        path = tmp_path / f"gateway{i}.toml"
-        path.write_text(dump_config(config))
-        procs.append(
-            subprocess.Popen(
-                gateway_argv(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        for url, proc in zip(urls, procs, strict=True):
-            wait_healthy(url, proc)
+    gateway = {
+        "quota_sync_s": 0.05,
+        "tenants": [{"name": "free", "requests_per_min": 4}],
+        "api_keys": [{"tenant": "free", "sha256": hash_api_key(key("free"))}],
+    }
+    with gateways(router.config, gateway, tmp_path, model=MODEL) as urls:
 
         def post(url: str) -> int:
             return httpx.post(
@@ -341,6 +322,3 @@ def test_limits_hold_across_two_gateway_processes(
         assert [post(urls[0]), post(urls[1]), post(urls[0]), post(urls[1])] == [200] * 4
         time.sleep(0.5)  # several sync intervals
         assert [post(urls[0]), post(urls[1])] == [429, 429]
-    finally:
-        for proc in procs:
-            stop(proc)

@@ -24,8 +24,9 @@ from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import InUseError, Registry
 from hpcserve.poolmgr.identity import parse_comment
 from hpcserve.poolmgr.manager import PoolManager
+from hpcserve.poolmgr.placement import free_gpus
 from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import SlurmJob
+from hpcserve.poolmgr.slurm_parse import SlurmJob, SlurmNode
 from hpcserve.poolmgr.state_files import write_override
 from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
@@ -180,3 +181,62 @@ def test_a_pinned_replica_whose_node_is_drained_is_replaced_unpinned(
         assert [r for r in caplog.records if "replacing it unpinned" in r.message]
     finally:
         slurm.resume_node("n2")
+
+
+def test_a_pinned_replica_that_loses_its_node_to_another_job_is_replaced_unpinned(
+    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path, caplog: Any
+) -> None:
+    """The replica is pinned to n2 (its cache holds the model) and held back by --begin for
+    a few seconds; meanwhile another job takes all of n2's GPUs. n2 stays up, so the pinned
+    job pends for its node (reason Resources); after poolmgr.pin_wait_s it is cancelled and
+    a replacement submitted without the pin."""
+    from hpcserve.modelcache.refs import cache_key
+
+    source = _model_dir(tmp_path / "src-m", "m")
+    manifest = build_manifest(source)
+    with Registry(tmp_path / "registry.sqlite3") as registry:
+        registry.add_version("m", str(source), manifest)
+    config = cluster_config(
+        cluster,
+        router,
+        tmp_path,
+        "pr",
+        {"model_ref": "m@1", "engine": "sim", "sbatch_args": ["--begin=now+4"]},
+        engine={"cache_dir": str(tmp_path / "cache" / "{node}")},
+        poolmgr={"pin_wait_s": 1.0},
+    )
+    manager = PoolManager(config, slurm, router_endpoint=None)
+    manager.cache_inventory.report("n2", [cache_key("m", 1, manifest.digest())])
+    caplog.set_level("INFO", logger="hpcserve.poolmgr.manager")
+
+    def n2_free() -> list[SlurmNode] | None:
+        nodes = slurm.nodes()
+        free = [n for n in nodes if n.name == "n2" and free_gpus(n) == 4 and n.state == ["IDLE"]]
+        return nodes if free else None
+
+    wait_for("n2 to be up and idle", n2_free, timeout=20)
+    manager.poll_once()
+    (pinned,) = _jobs(slurm, "pr", "p")
+    assert (pinned.required_nodes, pinned.state_reason) == (["n2"], "BeginTime")
+    blocker = slurm.submit(
+        "#!/bin/bash\nsleep 600\n",
+        extra_args=["--nodelist=n2", "--gres=gpu:4", "--partition=gpu", "--output=/dev/null"],
+    )
+    wait_for(
+        "the other job to take n2",
+        lambda: any(j.job_id == blocker and j.nodes == ["n2"] for j in slurm.jobs().jobs),
+        timeout=20,
+    )
+    reasons: set[str] = set()
+
+    def replaced() -> SlurmJob | None:
+        manager.poll_once()
+        jobs = _jobs(slurm, "pr", "p")
+        reasons.update(j.state_reason for j in jobs if j.job_id == pinned.job_id)
+        return jobs[0] if len(jobs) == 1 and jobs[0].job_id != pinned.job_id else None
+
+    replacement = wait_for("the pinned job's replacement", replaced, timeout=40)
+    assert replacement.required_nodes == []
+    assert reasons & {"Resources", "Priority"}, reasons
+    (warning,) = [r.getMessage() for r in caplog.records if "replacing it unpinned" in r.message]
+    assert f"job {pinned.job_id}: waited for pinned node n2 (" in warning, warning

@@ -4,7 +4,6 @@ quota book learns the last minute back from the gateways (router/quota_book.py).
 from __future__ import annotations
 
 import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hpcserve.config import RouterConfig, dump_config, hash_api_key, parse_config
+from hpcserve.config import RouterConfig, hash_api_key
 from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
 from tests.routers import loopback_router_config, running_router
-from tests.services import gateway_argv, service, sim_engine_argv, stop, wait_healthy
+from tests.services import gateways, service, sim_engine_argv
 
 MODEL = "tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -59,24 +58,12 @@ def test_limits_hold_across_a_router_restart_under_two_gateways(
     engine_url: str, tmp_path: Path
 ) -> None:
     config = loopback_router_config(lease_s=600.0)
-    procs, urls = [], []
-    for i in range(2):
-        port = free_port()
-        platform = parse_config({
-            "router": {"registry_bind": config.registry_bind, "routing_bind": config.routing_bind},
-            "gateway": {"port": port, "quota_sync_s": 0.05, "route_timeout_s": 1.0,
-                        "tenants": [{"name": "free", "requests_per_min": 4}],
-                        "api_keys": [{"tenant": "free", "sha256": hash_api_key(KEY)}]},
-            "pools": [{"name": MODEL, "model_path": "/nonexistent", "engine": "sim"}],
-        })  # fmt: skip
-        path = tmp_path / f"gateway{i}.toml"
-        path.write_text(dump_config(platform))
-        procs.append(
-            subprocess.Popen(
-                gateway_argv(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-            )
-        )
-        urls.append(f"http://127.0.0.1:{port}")
+    gateway = {
+        "quota_sync_s": 0.05,
+        "route_timeout_s": 1.0,
+        "tenants": [{"name": "free", "requests_per_min": 4}],
+        "api_keys": [{"tenant": "free", "sha256": hash_api_key(KEY)}],
+    }
 
     def post(url: str) -> int:
         headers = {"Authorization": f"Bearer {KEY}"}
@@ -84,11 +71,9 @@ def test_limits_hold_across_a_router_restart_under_two_gateways(
             url + "/v1/chat/completions", json=CHAT, headers=headers, timeout=10
         ).status_code
 
-    try:
-        first = start_router(config, engine_url)
-        router = next(first)
-        for url, proc in zip(urls, procs, strict=True):
-            wait_healthy(url, proc)
+    first = start_router(config, engine_url)
+    router = next(first)
+    with gateways(config, gateway, tmp_path, model=MODEL) as urls:
         assert [post(urls[0]), post(urls[1]), post(urls[0]), post(urls[1])] == [200] * 4
         wait_for("the book to hold 4 requests", lambda: used_in_book(router) == 4, timeout=10)
         epoch = router.quotas.epoch
@@ -104,6 +89,3 @@ def test_limits_hold_across_a_router_restart_under_two_gateways(
         time.sleep(0.2)  # a few sync intervals: each gateway has the other's totals
         assert [post(urls[0]), post(urls[1])] == [429, 429]
         second.close()
-    finally:
-        for proc in procs:
-            stop(proc)

@@ -9,6 +9,7 @@ import pytest
 
 from hpcserve.config import GatewayConfig
 from hpcserve.gateway import app as gateway_app
+from hpcserve.router import protocol as p
 from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints
 from hpcserve.tinymodels import make_tiny_model
 
@@ -51,3 +52,17 @@ def test_long_prompts_are_tokenized_on_the_pool_with_the_same_hints(hints: Route
     gateway._hints_waiting = gateway_app.MAX_HINTS_WAITING
     assert asyncio.run(gateway.prefix_hints("m", long, headers)) == {"session_key": "s1"}
     gateway._hint_pool.shutdown()
+
+
+def test_an_alias_is_hashed_with_its_targets_tokenizer(hints: RouteHints) -> None:
+    gateway = gateway_app.Gateway(
+        GatewayConfig(), routing_endpoint="tcp://127.0.0.1:9", configured_models={"m"}
+    )
+    gateway.route_hints = hints
+    replica = p.ReplicaInfo(
+        "r", "m", "http://r", "pool", 0, "n1", 0.0, 0.0, 0, p.ReplicaLoad(), model_ref="m@1"
+    )
+    gateway.routing.view.update([replica], {"extraction": "m@1"})
+    body = body_of(100)
+    got = asyncio.run(gateway.prefix_hints("extraction", body, {}))
+    assert got["block_hashes"] and got == hints.hints("m", json.loads(body), {})

@@ -66,3 +66,23 @@ def test_the_router_answering_again_ends_the_away_state() -> None:
     view.update([info("a")])
     assert not view.router_away
     view.released("a")  # a request routed while away ends after the router is back: harmless
+
+
+def test_an_alias_routes_to_its_target_versions_replicas_under_their_served_name() -> None:
+    view = ReplicaView(300, clock=Clock())
+    docs = [
+        p.ReplicaInfo(rid, "docs", f"http://{rid}", "pool", 0, "n1", 0.0, 0.0, 0,
+                      p.ReplicaLoad(), model_ref=ref)
+        for rid, ref in (("d1", "docs@1"), ("d2", "docs@2"))
+    ]  # fmt: skip
+    view.update([*docs, info("x", model="extraction")], {"extraction": "docs@1", "qa": "docs@1"})
+    picked = view.pick("qa")
+    assert picked is not None and (picked.replica_id, picked.model) == ("d1", "docs")
+    assert view.pick("qa", exclude=["d1"]) is None
+    assert view.served_as("qa") == "docs" and view.served_as("docs") == "docs"
+    # A served model name wins over an alias of the same name, as in the router.
+    plain = view.pick("extraction")
+    assert plain is not None and (plain.replica_id, plain.model) == ("x", "")
+    assert view.served_as("extraction") == "extraction"
+    view.update(docs, {})  # the alias is gone from the router's map
+    assert view.pick("qa") is None and view.served_as("qa") == "qa"

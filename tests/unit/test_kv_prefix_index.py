@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hpcserve.router import kv_wire as kw
 from hpcserve.router.prefix_hash import (
     chain_hashes,
     chain_seed,
-    engine_key,
     prompt_block_hashes,
 )
 from hpcserve.router.prefix_index import PrefixIndex
@@ -28,7 +31,7 @@ def test_prompt_hashes_cover_full_blocks_only_and_chain():
     # A different first block changes every later hash.
     other = prompt_block_hashes([0, *PROMPT[1:]], BS)
     assert all(a != b for a, b in zip(hashes, other, strict=True))
-    assert all(0 <= h < 2**60 for h in hashes)
+    assert all(-(2**63) <= h < 2**63 for h in hashes)  # a C hash: a small int each
 
 
 def test_the_adapter_is_mixed_into_the_chain():
@@ -39,12 +42,6 @@ def test_the_adapter_is_mixed_into_the_chain():
 def test_bad_block_size_is_refused():
     with pytest.raises(ValueError, match="block_size"):
         chain_hashes(PROMPT, 0, 1)
-
-
-def test_engine_hash_keys_are_small_ints():
-    assert engine_key(5) == 5
-    assert engine_key(b"x" * 32) == engine_key(b"x" * 32)
-    assert 0 <= engine_key(b"x" * 32) < 2**60
 
 
 def test_stored_blocks_match_the_request_side_hashes():
@@ -107,3 +104,22 @@ def test_int_and_bytes_engine_hashes_both_work():
     index.apply("a", [stored([b"x" * 32], PROMPT[:4])])
     index.apply("a", [stored([17], PROMPT[4:8], parent=b"x" * 32)])
     assert index.match(prompt_block_hashes(PROMPT, BS)) == {"a": 2}
+
+
+def test_hashes_agree_across_processes_whatever_their_hash_seed():
+    """The gateway and the router are different processes: str/bytes hashes differ between
+    them, the chain (tuples of ints, the adapter through blake2b) must not."""
+    code = (
+        "from hpcserve.router.prefix_hash import prompt_block_hashes as p;"
+        f"print(p({PROMPT!r}, {BS}), p({PROMPT!r}, {BS}, 'sql'))"
+    )
+    mine = f"{prompt_block_hashes(PROMPT, BS)} {prompt_block_hashes(PROMPT, BS, 'sql')}"
+    for seed in ("0", "12345"):
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert out == mine

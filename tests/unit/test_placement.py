@@ -7,6 +7,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from hpcserve.config import parse_config
@@ -17,6 +18,7 @@ from hpcserve.poolmgr.placement import (
     PinWatch,
     gpu_count,
     job_pins,
+    pin_wait,
     placements,
     unavailable_pin,
 )
@@ -27,6 +29,7 @@ from hpcserve.poolmgr.slurm_parse import (
     SlurmNode,
     SqueueSnapshot,
     unavailable_required_nodes,
+    waits_for_nodes,
 )
 from hpcserve.poolmgr.spec import pool_spec_digest
 
@@ -215,7 +218,7 @@ def test_pin_watch_reports_a_job_stranded_for_the_whole_wait() -> None:
     watch = PinWatch(wait_s=60)
     drained = [node("n1"), node("n2", state=("IDLE", "DRAIN"))]
     up = [node("n1"), node("n2")]
-    job = pending(7, ["n2"])
+    job = pending(7, ["n2"], reason="BeginTime")  # not waiting for nodes: only drained counts
     assert watch.stranded([job], drained, now=0) == {}
     assert watch.stranded([job], drained, now=59) == {}
     assert watch.stranded([job], up, now=60) == {}  # back: the wait starts over
@@ -271,4 +274,95 @@ def test_the_pool_manager_replaces_a_stranded_pinned_job_unpinned(tmp_path: Path
     clock[0] += 61
     manager.poll_once()
     assert slurm.cancelled == [42]
+    assert len(slurm.submitted) == 1 and not any("--nodelist" in a for a in slurm.submitted[0])
+
+
+# -- a pinned job that loses the race for its node while the node is up
+
+
+@pytest.mark.parametrize(
+    ("reason", "description", "waits"),
+    [
+        ("Resources", "", True),  # the node's GPUs went to another job first
+        ("Priority", "", True),  # jobs ahead of it will take them
+        ("ReqNodeNotAvail", "ReqNodeNotAvail, UnavailableNodes:n2", True),
+        ("Resources", "Nodes required for job are DOWN, DRAINED or reserved for jobs in", True),
+        ("BeginTime", "", False),
+        ("Dependency", "", False),
+        ("JobHeldUser", "", False),
+        ("JobHeldAdmin", "", False),
+        ("QOSMaxGRESPerUser", "", False),
+        ("AssocGrpGRES", "", False),
+        ("None", "", False),  # not looked at by the scheduler yet
+        ("", "", False),
+    ],
+)
+def test_waits_for_nodes(reason: str, description: str, waits: bool) -> None:
+    assert waits_for_nodes(reason, description) is waits
+
+
+@pytest.mark.parametrize(
+    ("job", "nodes", "waits_for"),
+    [
+        (pending(1, ["n2"]), [node("n1"), node("n2", 4)], ["n2"]),  # up, busy: lost the race
+        (pending(1, ["n2"], "Priority"), [node("n2")], ["n2"]),
+        (pending(1, ["n2"], "BeginTime"), [node("n2", 4)], []),  # would wait unpinned too
+        (pending(1, ["n2"], "JobHeldUser"), [node("n2")], []),
+        (pending(1, ["n2"], "None"), [node("n2")], []),
+        (pending(1, ["n2"], "BeginTime"), [node("n2", state=("DOWN",))], ["n2"]),
+        (pending(1, [], "Resources"), [node("n2", 4)], []),  # not pinned
+    ],
+)
+def test_pin_wait(job: SlurmJob, nodes: list[SlurmNode], waits_for: list[str]) -> None:
+    assert pin_wait(job, nodes) == waits_for
+
+
+def test_pin_watch_reports_a_job_that_lost_the_race_and_avoids_its_node() -> None:
+    watch = PinWatch(wait_s=60)
+    busy = [node("n1"), node("n2", 4)]
+    job = pending(7, ["n2"], "Resources")
+    assert watch.stranded([job], busy, now=0) == {} and watch.avoided(0) == set()
+    assert watch.stranded([msgspec.structs.replace(job, state_reason="None")], busy, now=30) == {}
+    assert watch.stranded([job], busy, now=31) == {}  # the wait started over at 30
+    assert watch.stranded([job], busy, now=91) == {7: ["n2"]}
+    assert watch.avoided(now=151) == {"n2"} and watch.avoided(now=152) == set()
+
+
+def test_placement_never_pins_to_an_avoided_node() -> None:
+    inv = CacheInventory()
+    inv.report("n1", ["m@1-abc"])
+    inv.report("n2", ["m@1-abc"])
+    nodes = [node("n1"), node("n2")]
+    assert job_pins(inv, "m@1-abc", nodes, jobs=2, gpus_per_job=1) == ["n1", "n2"]
+    assert job_pins(inv, "m@1-abc", nodes, jobs=2, gpus_per_job=1, avoid={"n1"}) == ["n2", "n2"]
+    assert placements(["n2"], nodes, jobs=1, gpus_per_job=1, avoid=["n2"]) == [""]
+
+
+def test_the_pool_manager_replaces_a_pinned_job_that_lost_its_node_unpinned(
+    tmp_path: Path,
+) -> None:
+    """n2 is up and has room by its GRES, yet the job waits (Slurm says Priority): after
+    the wait it is replaced unpinned, and n2 is avoided for the next wait."""
+    config = parse_config(
+        {
+            "state_dir": str(tmp_path / "state"),
+            "poolmgr": {"pin_wait_s": 60},
+            "pools": [{"name": "chat", "model_path": str(tmp_path / "m"), "engine": "sim"}],
+        }
+    )
+    pool = config.pools[0]
+    comment = new_identity("chat", pool.model, spec=pool_spec_digest(config, pool)).comment()
+    job = SlurmJob(
+        42, "hpcserve-chat", JobState.PENDING, "Priority", [], "gpu", comment, 0, None,
+        None, None, "", required_nodes=["n2"],
+    )  # fmt: skip
+    slurm = FakeSlurm([job], [node("n1", 4), node("n2")])
+    clock = [1000.0]
+    manager = PoolManager(config, slurm, clock=lambda: clock[0], router_endpoint=None)
+    manager.poll_once()
+    assert (slurm.cancelled, slurm.submitted) == ([], [])
+    clock[0] += 60
+    manager.poll_once()
+    assert slurm.cancelled == [42]
+    assert manager.pin_watch.avoided(clock[0]) == {"n2"}
     assert len(slurm.submitted) == 1 and not any("--nodelist" in a for a in slurm.submitted[0])

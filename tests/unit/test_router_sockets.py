@@ -70,7 +70,8 @@ def test_route_counts_in_flight_and_release_frees_it(router):
             assert gateway.poll(2000)
             return p.routing_reply_decoder.decode(gateway.recv())
 
-        assert ask(p.Route(1, "tiny")) == p.RouteReply(1, "r3", "http://x")
+        epoch = router.epoch  # new at each router start (in-flight re-declaration)
+        assert ask(p.Route(1, "tiny")) == p.RouteReply(1, "r3", "http://x", epoch=epoch)
         assert ask(p.Route(2, "nope")) == p.RouteReply(2, error="no_replica")
         assert list_replicas(router.config.routing_bind)[0].in_flight == 1
         gateway.send(p.encode(p.Release("r3")))
