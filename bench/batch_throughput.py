@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -55,6 +54,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.router.client import list_replicas  # noqa: E402
 from tests.ports import free_port  # noqa: E402
@@ -651,8 +651,6 @@ def main() -> None:
     ]  # fmt: skip
     result = {
         "rows": rows,
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        "loadavg_at_end": os.getloadavg(),
         "args": vars(args),
         "rounds": rounds,
         "median": {
@@ -691,8 +689,7 @@ def main() -> None:
             f"| {row['engine_cpu_util']:.2f}, {row['interactive_engine_cpu_util']:.2f} |"
         )
     tag = f"-{args.tag}" if args.tag else ""
-    out = ROOT / "bench" / "results" / f"batch_throughput-{args.engine}{tag}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write_results(f"batch_throughput-{args.engine}{tag}", result)
     print(f"wrote {out}", file=sys.stderr)
 
 

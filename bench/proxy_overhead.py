@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -48,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.http_wait import wait_http  # noqa: E402
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.router import protocol as p  # noqa: E402
@@ -531,22 +531,14 @@ def main() -> None:
                 f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} |"
             )
             rows.append({"case": key, "target": name, **m})
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(exist_ok=True)
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.cpu_count()} cores, "
-        f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
-        "command": " ".join(["bench/proxy_overhead.py", *sys.argv[1:]]),
         "rounds": args.rounds,
         "seconds": args.seconds,
         "upstream": args.upstream,
         "load_before": load_before,
         "load_after": load_after,
     }
-    (out_dir / "proxy_overhead.json").write_text(
-        json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n"
-    )
+    write_results("proxy_overhead", {"rows": rows}, meta)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -179,6 +178,8 @@ def measure(args: argparse.Namespace) -> dict:
         lat.append(time.perf_counter() - t0)
         assert replica is not None
         registry.released(replica.replica_id)
+        if hasattr(decider, "record_routed"):  # after the reply, as the server does it
+            decider.record_routed()
     cpu_per_decision = (time.process_time() - cpu_started) / args.decisions
     distinct = len(index)
     subscriber.close()  # (drops every replica from the index)
@@ -297,13 +298,10 @@ def main() -> None:
         "load_average_1_5_15_before": load_before,
         "load_average_1_5_15_after": load_average(),
         "wall_s": round(time.time() - started, 1),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
-        "command": " ".join(["bench/router_cost.py", *sys.argv[1:]]),
     }
-    out = ROOT / "bench" / "results" / "router_cost.json"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    from bench.results import write_results  # here: a --code worker runs another revision
+
+    write_results("router_cost", result)
     cur, base = result["current"], result["baseline"]
     print(f"{args.replicas} replicas, {result['indexed_blocks']:,} indexed blocks; medians of "
           f"{args.rounds} rounds; load average {load_before} before, "

@@ -28,10 +28,8 @@ Writes bench/results/router_roundtrip.json.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -48,6 +46,7 @@ import zmq  # noqa: E402
 
 from bench import proxy_overhead as ladder  # noqa: E402
 from bench.http_wait import wait_http  # noqa: E402
+from bench.results import write_results  # noqa: E402
 from hpcserve.config import RouterConfig, dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.router import protocol as p  # noqa: E402
@@ -343,15 +342,9 @@ def main() -> None:
         "cases_us": summary,
         "gateway_client_us": client_summary,
         "gateway_ladder": ladder_summary,
-        "load_average_before": load_before,
-        "load_average": os.getloadavg(),
         "gateway_hints_2k_prompt_p50_us": hints_s * 1e6,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"Python {platform.python_version()}",
-        "command": " ".join(["bench/router_roundtrip.py", *sys.argv[1:]]),
     }
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "router_roundtrip.json").write_text(json.dumps(out, indent=2))
+    write_results("router_roundtrip", out, {"load_average_before": load_before})
     print("| case (blocking libzmq DEALER) | round trip p50 | p99 | client CPU per request |")
     print("|---|---|---|---|")
     for name, r in summary.items():

@@ -34,7 +34,6 @@ Prints a markdown table and writes bench/results/staging_vs_cp.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import resource
@@ -52,6 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from hpcserve.modelcache.cache import NodeCache  # noqa: E402
 from hpcserve.modelcache.locks import filesystem_type  # noqa: E402
 from hpcserve.modelcache.manifest import Manifest, build_manifest, hash_file  # noqa: E402
@@ -291,8 +291,7 @@ def report(
         rows += rows_for(meta, times, label)
     meta = {**results[0][0], "sizes_bytes": [m["bytes"] for m, _ in results], "loadavg": load}
     meta["cpu_sets"] = [m["cpus"] for m, _ in results]
-    out = ROOT / "bench" / "results" / "staging_vs_cp.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    out = write_results("staging_vs_cp", {"rows": rows}, meta)
     sizes = ", ".join(dict.fromkeys(f"{_gb(m):.2f} GB" for m, _ in results))
     print(
         f"\n{sizes} in {meta['files']} files each, {meta['filesystem']}, {meta['cpu']}, "

@@ -34,6 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_results  # noqa: E402
 from hpcserve.engine_launch.vllm_args import EngineSpec, vllm_argv, vllm_env  # noqa: E402
 from hpcserve.modelcache.cache import NodeCache  # noqa: E402
 from hpcserve.modelcache.manifest import Manifest, build_manifest  # noqa: E402
@@ -181,15 +182,10 @@ def report(args: argparse.Namespace, manifest: Manifest, results: dict[str, list
         for case, runs in results.items()
     }
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "command": "bench/ttft_cold_warm.py " + " ".join(sys.argv[1:]),
         "model": f"tiny chat model, size {args.size}, {manifest.total_bytes / 1e6:.1f} MB",
-        "cpus": os.cpu_count(),
         "rounds": args.rounds,
-        "load_average": os.getloadavg(),
     }
-    out = ROOT / "bench" / "results" / "ttft_cold_warm.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": results}, indent=2) + "\n")
+    out = write_results("ttft_cold_warm", {"rows": rows, "runs": results}, meta)
     print(f"\n{meta['model']}, medians of {args.rounds}\n")
     print("| case | stage s | vLLM start s | request to first token s | total s |")
     print("|---|---:|---:|---:|---:|")

@@ -63,6 +63,9 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Approximate mode (engines without events): remember routed prefixes this long, at
     # most this many blocks per replica.
     approx_ttl_s: PosFloat = 120.0
+    # A replica that publishes KV events holds a routed prompt's blocks as pending until
+    # its BlockStored events confirm them, at most this long (router/approx_index.py).
+    pending_ttl_s: PosFloat = 10.0
     approx_max_blocks: PosInt = 100_000
     # Session affinity (header x-session-id): how long a session sticks to its replica.
     session_ttl_s: PosFloat = 600.0

@@ -7,6 +7,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -32,15 +33,39 @@ def job_log_dir(config: PlatformConfig) -> Path:
 def pool_spec_digest(config: PlatformConfig, pool: PoolConfig) -> str:
     """8 hex digits that change when anything shaping a replica of the pool changes.
 
-    The replica count is left out: scaling a pool must not replace its replicas.
+    The replica count is left out: scaling a pool must not replace its replicas. Settings
+    at their defaults are left out too, so a release that adds a setting (with a default
+    that keeps today's behaviour) does not replace every running replica.
     """
     shape = (
-        msgspec.structs.replace(pool, replicas=0),
+        _set_fields(msgspec.structs.replace(pool, replicas=0)),
         config.slurm.partition, config.slurm.account, config.slurm.qos,
         config.slurm.time_limit_min, config.slurm.drain_s, config.slurm.extra_args,
-        config.engine, config.router.engines_dial(),
+        _set_fields(config.engine), config.router.engines_dial(),
     )  # fmt: skip
     return hashlib.sha256(msgspec.json.encode(shape)).hexdigest()[:8]
+
+
+def _set_fields(struct: msgspec.Struct) -> dict[str, Any]:
+    """A config struct's fields that differ from their defaults (nested structs alike)."""
+    out: dict[str, Any] = {}
+    for field in msgspec.structs.fields(struct):
+        value = getattr(struct, field.name)
+        if isinstance(value, msgspec.Struct):
+            value = _set_fields(value)
+            if value:
+                out[field.name] = value
+            continue
+        if field.default is not msgspec.NODEFAULT:
+            default = field.default
+        elif field.default_factory is not msgspec.NODEFAULT:
+            default = field.default_factory()
+        else:
+            out[field.name] = value
+            continue
+        if value != default:
+            out[field.name] = value
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,21 @@
-"""Approximate mode, for engines that publish no KV events: remember which prompt blocks
-were routed to which replica, and treat them as cached there for `ttl_s`, at most
-`max_blocks` per replica (oldest forgotten first). Feeds the same PrefixIndex, so the
-policies do not know the difference.
+"""Blocks the router puts in the index itself: the prompt blocks it routed to a replica,
+treated as cached there until an event confirms them or a TTL passes, at most `max_blocks`
+per replica (oldest forgotten first). Feeds the same PrefixIndex, so the policies do not
+know the difference.
 
-Failure mode: it believes a block is cached until the TTL although the engine may have
-evicted it sooner; a short TTL and a bound below the engine's capacity keep that small.
+Two uses, one mechanism:
+- approximate mode, for engines that publish no KV events: what was routed where is all
+  the router knows (`ttl_s`, long);
+- pending blocks, for engines that do: a prompt's blocks are not stored until its prefill
+  has run, so without them the next request of the same customer, arriving meanwhile, sees
+  no cache anywhere and starts a second full prefill elsewhere. They are recorded for
+  `pending_ttl_s`; the BlockStored events take them over (PrefixIndex.stored empties the
+  record), and only blocks no event confirmed expire.
+
+Failure mode: a block believed cached until the TTL although the engine evicted it or never
+stored it (a request aborted); a short TTL and a bound below the engine's capacity keep that
+small. Blocks of the prefix the replica was found holding are not recorded, so an expiry
+does not remove what an event stored there.
 """
 
 from __future__ import annotations
@@ -20,34 +31,48 @@ class RoutedPrefixes:
         self.index = index
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
-        self._recent: dict[str, OrderedDict[int, float]] = {}
 
     def blocks(self, replica_id: str) -> int:
-        return len(self._recent.get(replica_id, ()))
+        slot = self.index.slot_of(replica_id)
+        return 0 if slot is None else len(self.index.unconfirmed(slot))
 
-    def routed(self, replica_id: str, hashes: Sequence[int], now: float) -> None:
-        recent = self._recent.setdefault(replica_id, OrderedDict())
+    def routed(
+        self,
+        replica_id: str,
+        hashes: Sequence[int],
+        now: float,
+        *,
+        ttl_s: float | None = None,
+        skip: int = 0,
+    ) -> None:
+        """`hashes` were routed to the replica: each block past the first `skip` (the prefix
+        the caller found it holding) is recorded for `ttl_s` (default: the approximate
+        mode's), a recorded one renewed. Blocks past a replica's matched prefix are taken as
+        not held: one it held anyway could not extend a match (the walk stops at the gap)."""
         slot = self.index.slot(replica_id)
-        fresh = [h for h in hashes if h not in recent]
-        for h in hashes:
-            recent[h] = now
-            recent.move_to_end(h)
+        recent = self.index.unconfirmed(slot)
+        tail = hashes[skip:] if skip else hashes
+        if not tail:
+            return
+        fresh = [h for h in tail if h not in recent]
+        # A renewed block keeps its place: the order is only the expiry scan's (and the
+        # bound's) and a renewed block stops the scan at worst until it expires itself.
+        recent.update(dict.fromkeys(tail, now + (self.ttl_s if ttl_s is None else ttl_s)))
         self.index.add_hashes(slot, fresh)
-        self._expire(replica_id, recent, slot, now)
+        self._expire(recent, slot, now)
 
     def expire(self, now: float) -> None:
-        for replica_id, recent in list(self._recent.items()):
-            self._expire(replica_id, recent, self.index.slot(replica_id), now)
+        """Forget every replica's expired blocks (a replica that gets no request meanwhile
+        would otherwise keep them)."""
+        for slot in self.index.slots_with_unconfirmed():
+            self._expire(self.index.unconfirmed(slot), slot, now)
 
-    def _expire(self, replica_id: str, recent: OrderedDict[int, float], slot: int, now: float):
+    def _expire(self, recent: OrderedDict[int, float], slot: int, now: float) -> None:
         gone = []
         while recent:
-            h, at = next(iter(recent.items()))
-            if len(recent) <= self.max_blocks and now - at <= self.ttl_s:
+            h, expires = next(iter(recent.items()))
+            if len(recent) <= self.max_blocks and expires > now:
                 break
             recent.popitem(last=False)
             gone.append(h)
         self.index.discard_hashes(slot, gone)
-
-    def drop(self, replica_id: str) -> None:
-        self._recent.pop(replica_id, None)

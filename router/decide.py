@@ -1,8 +1,9 @@
 """One routing decision: session affinity, then the prefix index, then the policy.
 
 Holds what the decision needs besides the registry: the PrefixIndex (fed by the KV-event
-subscriber for replicas that publish events, and by RoutedPrefixes, the approximate mode,
-for those that do not), the session table and the configured policy.
+subscriber for replicas that publish events, and by RoutedPrefixes: the approximate mode
+for those that do not, pending blocks of routed prompts for those that do), the session
+table and the configured policy.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class Decider:
         # The registered replica of each prefix-index slot (None: none), so that a match's
         # slots become table rows without a lookup by id.
         self._by_slot: list[Replica | None] = []
+        # (replica, block hashes, when, TTL or None, blocks it held) of routed prompts,
+        # until record_routed.
+        self._unrecorded: list[tuple[Replica, Sequence[int], float, float | None, int]] = []
 
     # --- membership -----------------------------------------------------------------
     def replica_added(self, replica: Replica) -> None:
@@ -100,13 +104,22 @@ class Decider:
         self._by_slot[slot] = replica
         return replica
 
+    def record_routed(self) -> None:
+        """Record the blocks of the prompts routed since the last call (approx_index.py).
+        Costs about what ingesting them from events does, so the server calls it after
+        sending a batch's replies rather than inside the decision; the next pick calls it
+        at the latest."""
+        items, self._unrecorded = self._unrecorded, []
+        for replica, hashes, now, ttl_s, skip in items:
+            if replica.row >= 0:  # still registered
+                self.approx.routed(replica.replica_id, hashes, now, ttl_s=ttl_s, skip=skip)
+
     def replica_removed(self, replica_id: str) -> None:
         slot = self.index.slot_of(replica_id)
         if slot is not None and slot < len(self._by_slot):
             self._by_slot[slot] = None
         if self.subscriber is not None:
             self.subscriber.unwatch(replica_id)
-        self.approx.drop(replica_id)
         self.index.drop(replica_id)
 
     def _has_events(self, replica_id: str) -> bool:
@@ -162,7 +175,9 @@ class Decider:
         replica = self.registry.get(replica_id) if replica_id else None
         if replica is None or replica.model != request.model or not replica.routable:
             return None
-        if allowed is not None and not allowed[replica.row]:
+        # The policy's filters hold for a session too (a batch pool, an adapter's hosts).
+        kept = self.policy.keep_mask(RouteContext(request, table, None, allowed))
+        if kept is not None and not kept[replica.row]:
             return None
         mine, floor = table.load[replica.row], table.load_floor()
         if mine > floor + self.config.overload_abs and mine > self.config.overload_rel * floor:
@@ -189,6 +204,8 @@ class Decider:
         `candidates` narrows the choice to some replicas of one model (a LoRA adapter's
         hosts, a retry excluding replicas); None means every replica of `msg.model`.
         """
+        if self._unrecorded:
+            self.record_routed()
         model = msg.model if candidates is None else (candidates[0].model if candidates else "")
         table = self.registry.table(model) if model else None
         if table is None or not len(table):
@@ -219,11 +236,20 @@ class Decider:
                 counts[1] += cached.at(replica.row)
         self.registry.routed(replica, request.prompt_tokens)
         table.note_routed(replica.row)
-        if request.block_hashes:
+        if request.block_hashes and self.policy.uses_prefix:
+            # With events, the blocks this replica lacks are pending until its events store
+            # them; without, every routed block counts as cached for the approximate TTL.
+            # Recorded by record_routed, once the reply is on its way.
             if self._has_events(replica.replica_id):
                 self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
-            elif self.policy.uses_prefix:
-                self.approx.routed(replica.replica_id, request.block_hashes, now)
+                held = cached.at(replica.row) // request.block_size if cached is not None else 0
+                self._unrecorded.append(
+                    (replica, request.block_hashes, now, self.config.pending_ttl_s, held)
+                )
+            else:
+                self._unrecorded.append((replica, request.block_hashes, now, None, 0))
+        elif request.block_hashes and self._has_events(replica.replica_id):
+            self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
         if request.session_key:
             self.sessions.remember(request.session_key, replica.replica_id, now)
         return replica

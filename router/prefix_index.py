@@ -22,6 +22,7 @@ hashes, and removing either clears it: the replica looks colder, never hotter.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from hpcserve.router import kv_wire as kw
@@ -38,6 +39,9 @@ class PrefixIndex:
         self._bits: list[int] = []
         self._engine: list[dict[int, int]] = []
         self._block_size: list[int] = []
+        # Per slot, blocks the router put there itself (a routed prompt's blocks: approx_index.py)
+        # that no BlockStored has confirmed: our hash -> when it expires. Oldest first.
+        self._unconfirmed: list[OrderedDict[int, float]] = []
         self._free: list[int] = []
         self.orphans = 0
 
@@ -55,6 +59,7 @@ class PrefixIndex:
             self._bits.append(1 << slot)
             self._engine.append({})
             self._block_size.append(0)
+            self._unconfirmed.append(OrderedDict())
         self._slot_of[replica_id] = slot
         return slot
 
@@ -77,6 +82,9 @@ class PrefixIndex:
         for ours in self._engine[slot].values():
             self._discard(slot, ours)
         self._engine[slot] = {}
+        for ours in self._unconfirmed[slot]:
+            self._discard(slot, ours)
+        self._unconfirmed[slot] = OrderedDict()
 
     # --- events ---------------------------------------------------------------------
     def apply(self, replica_id: str, events: Iterable[kw.KVEvent]) -> tuple[int, int]:
@@ -116,6 +124,8 @@ class PrefixIndex:
         self._block_size[slot] = size
         holders, bit = self._holders, self._bits[slot]
         setdefault = holders.setdefault
+        # Blocks the router recorded when it routed a prompt here are now the engine's.
+        pending = self._unconfirmed[slot]
         # prefix_hash.chain_hashes inlined (this loop is the ingest rate): zip(*(it,) * size)
         # cuts the blocks in C, reusing one tuple; tokens past the n blocks are ignored.
         blocks = zip(*(iter(tokens),) * size, strict=False)
@@ -125,6 +135,8 @@ class PrefixIndex:
             old = setdefault(h, bit)
             if old is not bit:
                 holders[h] = old | bit
+            if pending:
+                pending.pop(h, None)
 
     def removed(self, slot: int, event: kw.BlockRemoved) -> None:
         engine = self._engine[slot]
@@ -134,6 +146,18 @@ class PrefixIndex:
                 self._discard(slot, ours)
 
     # --- hashes without events (approximate mode) -----------------------------------
+    def unconfirmed(self, slot: int) -> OrderedDict[int, float]:
+        """The slot's blocks added by the router and not (yet) stored by an event: our hash ->
+        expiry time, oldest first; approx_index.py keeps it, the index empties it as events
+        store the blocks and when the slot is cleared or dropped."""
+        return self._unconfirmed[slot]
+
+    def slots_with_unconfirmed(self) -> list[int]:
+        return [slot for slot, record in enumerate(self._unconfirmed) if record]
+
+    def holds(self, slot: int, h: int) -> bool:
+        return bool(self._holders.get(h, 0) & self._bits[slot])
+
     def add_hashes(self, slot: int, hashes: Iterable[int]) -> None:
         holders, bit = self._holders, self._bits[slot]
         for h in hashes:

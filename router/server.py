@@ -219,6 +219,8 @@ class RouterServer:
                 if now >= next_housekeeping or replays:
                     next_housekeeping = now + housekeeping_s
                     self.kv_events.tick()
+                    self.decider.record_routed()
+                    self.decider.approx.expire(now)
                     for _ in self.registry.expire(now):
                         self.metrics.lease_expiries.inc()
                     self._publish_gauges()
@@ -255,6 +257,7 @@ class RouterServer:
             replies = [r for r in map(on_routing, frames) if r is not None]
             if replies:
                 routing.send(peer, replies)
+            self.decider.record_routed()
 
     def _drain_routing(self, sock: zmq.Socket) -> None:
         """A gateway sends the messages of one event-loop iteration as the frames of one
@@ -270,6 +273,7 @@ class RouterServer:
             replies = [r for r in map(self._on_routing, frames[1:]) if r is not None]
             if replies:
                 sock.send_multipart([frames[0], *replies], zmq.NOBLOCK)
+            self.decider.record_routed()
 
     def _on_registry(self, sock: zmq.Socket, peer: bytes, payload: bytes) -> None:
         try:

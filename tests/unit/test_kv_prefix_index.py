@@ -123,3 +123,39 @@ def test_hashes_agree_across_processes_whatever_their_hash_seed():
             check=True,
         ).stdout.strip()
         assert out == mine
+
+
+def test_routed_blocks_are_pending_until_events_store_them_and_only_unstored_ones_expire():
+    from hpcserve.router.approx_index import RoutedPrefixes
+
+    index = PrefixIndex()
+    routed = RoutedPrefixes(index, ttl_s=120.0, max_blocks=1000)
+    tokens = list(range(4 * BS))
+    hashes = prompt_block_hashes(tokens, BS)
+    index.slot("r0")
+    routed.routed("r0", hashes, now=0.0, ttl_s=5.0)
+    assert index.match(hashes) == {"r0": 4}  # pending: the next request finds them
+    # The engine stores the first three blocks: they are its now, not pending.
+    index.apply("r0", [stored([b"a", b"b", b"c"], tokens[: 3 * BS])])
+    assert len(index.unconfirmed(index.slot("r0"))) == 1
+    routed.expire(10.0)
+    assert index.match(hashes) == {"r0": 3}  # the unstored fourth expired, nothing else
+    # The prefix the replica holds (skip, as the Decider passes it) is not recorded, so no
+    # expiry can remove it.
+    routed.routed("r0", hashes, now=20.0, ttl_s=5.0, skip=3)
+    assert list(index.unconfirmed(index.slot("r0"))) == hashes[3:]
+    routed.expire(30.0)
+    assert index.match(hashes) == {"r0": 3}
+
+
+def test_a_dropped_replica_takes_its_routed_blocks_along():
+    from hpcserve.router.approx_index import RoutedPrefixes
+
+    index = PrefixIndex()
+    routed = RoutedPrefixes(index, ttl_s=120.0, max_blocks=1000)
+    hashes = prompt_block_hashes(list(range(4 * BS)), BS)
+    routed.routed("r0", hashes, now=0.0)
+    index.drop("r0")
+    assert index.slot("r1") == 0  # the slot is reused ...
+    assert index.match(hashes) == {}  # ... without the blocks routed to r0
+    assert len(index) == 0

@@ -266,6 +266,21 @@ def test_round_robin_and_least_load_baselines():
     assert Counter(placed) == {"r0": 2, "r1": 2, "r2": 2}
 
 
+def test_a_prompt_is_pending_on_its_replica_until_the_engine_stores_it():
+    # The engine's BlockStored comes after the prefill: meanwhile the same customer's next
+    # request must find the replica the first one went to, not start a second prefill.
+    fleet = Fleet(n=8, pending_ttl_s=10.0)
+    doc = prompt(0, 2048, "doc")
+    first = fleet.route(doc, store=False)
+    for i in range(5):
+        assert fleet.route(doc + [i] * 16, store=False) == first
+        fleet.release(first)
+    # Never stored (say the request was aborted): forgotten after pending_ttl_s.
+    fleet.clock = 11.0
+    fleet.decider.approx.expire(fleet.clock)
+    assert fleet.decider.index.match(prompt_block_hashes(doc, BS)) == {}
+
+
 def test_approximate_mode_remembers_routed_prefixes_with_a_ttl():
     fleet = Fleet(events=False, approx_ttl_s=30.0)
     doc = prompt(0, 2048, "doc")

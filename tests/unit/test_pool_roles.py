@@ -100,6 +100,17 @@ def test_the_router_sends_batch_work_to_the_batch_pool_and_interactive_work_away
     assert decision is not None and decision.replica_id == "r1"
 
 
+def test_a_session_shared_by_batch_and_interactive_requests_does_not_cross_roles():
+    reg = fleet("ib")
+    decider = Decider(RoutingConfig(), reg)
+    first = decider.pick(p.Route(1, "m", priority="batch", session_key="s"), 0.0)
+    assert first is not None and first.replica_id == "r1"
+    # The session remembers the batch pool's replica; an interactive request of the same
+    # session still goes to the interactive pool.
+    later = decider.pick(p.Route(2, "m", session_key="s"), 0.0)
+    assert later is not None and later.replica_id == "r0"
+
+
 def test_the_role_survives_the_table_moving_rows():
     reg = fleet("bib")
     reg.deregister("r0", "gone")
