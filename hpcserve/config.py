@@ -64,8 +64,9 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # most this many blocks per replica.
     approx_ttl_s: PosFloat = 120.0
     # A replica that publishes KV events holds a routed prompt's blocks as pending until
-    # its BlockStored events confirm them, at most this long (router/approx_index.py).
-    pending_ttl_s: PosFloat = 10.0
+    # its BlockStored events confirm them, at most this long (router/approx_index.py); 0:
+    # off (the default: no gain measured on the simulated fleet, docs/benchmarks.md).
+    pending_ttl_s: NonNegFloat = 0.0
     approx_max_blocks: PosInt = 100_000
     # Session affinity (header x-session-id): how long a session sticks to its replica.
     session_ttl_s: PosFloat = 600.0

@@ -242,10 +242,11 @@ class Decider:
             # Recorded by record_routed, once the reply is on its way.
             if self._has_events(replica.replica_id):
                 self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
-                held = cached.at(replica.row) // request.block_size if cached is not None else 0
-                self._unrecorded.append(
-                    (replica, request.block_hashes, now, self.config.pending_ttl_s, held)
-                )
+                if self.config.pending_ttl_s:
+                    held = cached.at(replica.row) // request.block_size if cached else 0
+                    self._unrecorded.append(
+                        (replica, request.block_hashes, now, self.config.pending_ttl_s, held)
+                    )
             else:
                 self._unrecorded.append((replica, request.block_hashes, now, None, 0))
         elif request.block_hashes and self._has_events(replica.replica_id):

@@ -102,18 +102,16 @@ def test_routes_follow_the_kv_events_a_replica_publishes(router):
             assert reply.replica_id == "hot"
             ask(gateway, p.Route(2, "other", released=[reply.replica_id]))
         assert all(r.in_flight == 0 for r in list_replicas(router.config.routing_bind))
-        # The engine evicts the blocks: the index forgets them, so the prefix stops
-        # attracting traffic to "hot".
+        # The engine evicts the blocks: the prefix stops attracting traffic.
         publisher.publish([kw.BlockRemoved([b"h%d" % i for i in range(8)])])
+        seen = set()
         deadline = time.monotonic() + 10
-        while router.decider.index.match(hashes).get("hot", 0):
-            assert time.monotonic() < deadline, "the router never applied the removal"
+        while len(seen) < 2 and time.monotonic() < deadline:
             keep_alive()
-            time.sleep(0.05)
-        # The next request goes to any replica; its blocks are pending there until that
-        # engine's events store them (router/approx_index.py).
-        reply = route(gateway, DOC)
-        assert router.decider.index.match(hashes) == {reply.replica_id: 8}
+            reply = route(gateway, DOC)
+            seen.add(reply.replica_id)
+            ask(gateway, p.Route(2, "other", released=[reply.replica_id]))
+        assert seen & {"cold1", "cold2"}
     finally:
         gateway.close(0)
         for agent in agents:
