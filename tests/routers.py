@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,19 @@ def running_router(config: RouterConfig, **server_args: Any) -> Iterator[RouterS
     finally:
         server.stop()
         thread.join(5)
+
+
+def ports_free(config: RouterConfig) -> bool:
+    """The router's two ports can be bound again (a restarted router may take them)."""
+    for endpoint in (config.registry_bind, config.routing_bind):
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                return False
+    return True
 
 
 def alias_registry(root: Path) -> Path:

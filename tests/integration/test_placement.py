@@ -141,12 +141,17 @@ def test_new_replicas_go_to_the_node_whose_cache_holds_the_model(
     assert not [r for r in caplog.records if "whose cache holds other@1" in r.message]
 
 
-def test_a_pinned_replica_whose_node_is_drained_is_replaced_unpinned(
-    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path, caplog: Any
-) -> None:
-    """The replica is pinned to n2 (its cache holds the model) and held pending by
-    --begin; n2 is drained: after poolmgr.pin_wait_s the job is cancelled and a replacement
-    submitted without the pin."""
+def _cached_on_n2(
+    cluster: LocalSlurm,
+    slurm: SlurmCLI,
+    router: RouterServer,
+    tmp_path: Path,
+    name: str,
+    *,
+    begin: str,
+) -> PoolManager:
+    """The pool manager of pool `name` (registry model m@1, held back by --begin=`begin`,
+    a 1 s pin wait), told that n2's cache holds the model."""
     from hpcserve.modelcache.refs import cache_key
 
     source = _model_dir(tmp_path / "src-m", "m")
@@ -157,13 +162,23 @@ def test_a_pinned_replica_whose_node_is_drained_is_replaced_unpinned(
         cluster,
         router,
         tmp_path,
-        "pw",
-        {"model_ref": "m@1", "engine": "sim", "sbatch_args": ["--begin=now+600"]},
+        name,
+        {"model_ref": "m@1", "engine": "sim", "sbatch_args": [f"--begin={begin}"]},
         engine={"cache_dir": str(tmp_path / "cache" / "{node}")},
         poolmgr={"pin_wait_s": 1.0},
     )
     manager = PoolManager(config, slurm, router_endpoint=None)
     manager.cache_inventory.report("n2", [cache_key("m", 1, manifest.digest())])
+    return manager
+
+
+def test_a_pinned_replica_whose_node_is_drained_is_replaced_unpinned(
+    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path, caplog: Any
+) -> None:
+    """The replica is pinned to n2 (its cache holds the model) and held pending by
+    --begin; n2 is drained: after poolmgr.pin_wait_s the job is cancelled and a replacement
+    submitted without the pin."""
+    manager = _cached_on_n2(cluster, slurm, router, tmp_path, "pw", begin="now+600")
     caplog.set_level("INFO", logger="hpcserve.poolmgr.manager")
     manager.poll_once()
     (pinned,) = _jobs(slurm, "pw", "p")
@@ -190,23 +205,7 @@ def test_a_pinned_replica_that_loses_its_node_to_another_job_is_replaced_unpinne
     a few seconds; meanwhile another job takes all of n2's GPUs. n2 stays up, so the pinned
     job pends for its node (reason Resources); after poolmgr.pin_wait_s it is cancelled and
     a replacement submitted without the pin."""
-    from hpcserve.modelcache.refs import cache_key
-
-    source = _model_dir(tmp_path / "src-m", "m")
-    manifest = build_manifest(source)
-    with Registry(tmp_path / "registry.sqlite3") as registry:
-        registry.add_version("m", str(source), manifest)
-    config = cluster_config(
-        cluster,
-        router,
-        tmp_path,
-        "pr",
-        {"model_ref": "m@1", "engine": "sim", "sbatch_args": ["--begin=now+4"]},
-        engine={"cache_dir": str(tmp_path / "cache" / "{node}")},
-        poolmgr={"pin_wait_s": 1.0},
-    )
-    manager = PoolManager(config, slurm, router_endpoint=None)
-    manager.cache_inventory.report("n2", [cache_key("m", 1, manifest.digest())])
+    manager = _cached_on_n2(cluster, slurm, router, tmp_path, "pr", begin="now+4")
     caplog.set_level("INFO", logger="hpcserve.poolmgr.manager")
 
     def n2_free() -> list[SlurmNode] | None:

@@ -3,7 +3,6 @@ quota book learns the last minute back from the gateways (router/quota_book.py).
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
-from tests.routers import loopback_router_config, running_router
+from tests.routers import loopback_router_config, ports_free, running_router
 from tests.services import gateways, service, sim_engine_argv
 
 MODEL = "tiny"
@@ -36,18 +35,6 @@ def start_router(config: RouterConfig, engine_url: str) -> Iterator[RouterServer
     with running_router(config) as router:
         router.registry.register(p.Register("fast", MODEL, engine_url), now=1e12)
         yield router
-
-
-def ports_free(config: RouterConfig) -> bool:
-    for endpoint in (config.registry_bind, config.routing_bind):
-        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, int(port)))
-            except OSError:
-                return False
-    return True
 
 
 def used_in_book(router: RouterServer) -> int:

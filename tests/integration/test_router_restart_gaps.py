@@ -5,7 +5,6 @@ and an alias keeps routing on the last alias map while no router answers."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -15,23 +14,16 @@ from hpcserve.gateway.routing_client import RoutingClient
 from hpcserve.router import protocol as p
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
-from tests.routers import alias_registry, loopback_router_config, running_router
+from tests.routers import (
+    alias_registry,
+    loopback_router_config,
+    ports_free,
+    running_router,
+)
 
 REPLICA = p.Register(
     "a", "docs", "http://127.0.0.1:9", model_ref="docs@1", adapters=["docs-a"], max_adapters=2
 )
-
-
-def ports_free(config: RouterConfig) -> bool:
-    for endpoint in (config.registry_bind, config.routing_bind):
-        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, int(port)))
-            except OSError:
-                return False
-    return True
 
 
 async def until(what: str, probe, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]

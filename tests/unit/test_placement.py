@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from hpcserve.config import parse_config
+from hpcserve.config import PlatformConfig, parse_config
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.poolmgr.placement import (
@@ -251,7 +251,8 @@ class FakeSlurm:
         return list(self.node_list)
 
 
-def test_the_pool_manager_replaces_a_stranded_pinned_job_unpinned(tmp_path: Path) -> None:
+def pinned_pool(tmp_path: Path) -> tuple[PlatformConfig, str]:
+    """A sim pool "chat" with a 60 s pin wait, and the comment its jobs carry."""
     config = parse_config(
         {
             "state_dir": str(tmp_path / "state"),
@@ -260,7 +261,11 @@ def test_the_pool_manager_replaces_a_stranded_pinned_job_unpinned(tmp_path: Path
         }
     )
     pool = config.pools[0]
-    comment = new_identity("chat", pool.model, spec=pool_spec_digest(config, pool)).comment()
+    return config, new_identity("chat", pool.model, spec=pool_spec_digest(config, pool)).comment()
+
+
+def test_the_pool_manager_replaces_a_stranded_pinned_job_unpinned(tmp_path: Path) -> None:
+    config, comment = pinned_pool(tmp_path)
     job = SlurmJob(
         42, "hpcserve-chat", JobState.PENDING, "ReqNodeNotAvail", [], "gpu", comment, 0, None,
         None, None, "", required_nodes=["n2"],
@@ -343,15 +348,7 @@ def test_the_pool_manager_replaces_a_pinned_job_that_lost_its_node_unpinned(
 ) -> None:
     """n2 is up and has room by its GRES, yet the job waits (Slurm says Priority): after
     the wait it is replaced unpinned, and n2 is avoided for the next wait."""
-    config = parse_config(
-        {
-            "state_dir": str(tmp_path / "state"),
-            "poolmgr": {"pin_wait_s": 60},
-            "pools": [{"name": "chat", "model_path": str(tmp_path / "m"), "engine": "sim"}],
-        }
-    )
-    pool = config.pools[0]
-    comment = new_identity("chat", pool.model, spec=pool_spec_digest(config, pool)).comment()
+    config, comment = pinned_pool(tmp_path)
     job = SlurmJob(
         42, "hpcserve-chat", JobState.PENDING, "Priority", [], "gpu", comment, 0, None,
         None, None, "", required_nodes=["n2"],
