@@ -236,21 +236,20 @@ class Decider:
                 counts[1] += cached.at(replica.row)
         self.registry.routed(replica, request.prompt_tokens)
         table.note_routed(replica.row)
-        if request.block_hashes and self.policy.uses_prefix:
+        if request.block_hashes:
             # With events, the blocks this replica lacks are pending until its events store
             # them; without, every routed block counts as cached for the approximate TTL.
             # Recorded by record_routed, once the reply is on its way.
+            prefix = self.policy.uses_prefix
             if self._has_events(replica.replica_id):
                 self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
-                if self.config.pending_ttl_s:
+                if prefix and self.config.pending_ttl_s:
                     held = cached.at(replica.row) // request.block_size if cached else 0
                     self._unrecorded.append(
                         (replica, request.block_hashes, now, self.config.pending_ttl_s, held)
                     )
-            else:
+            elif prefix:
                 self._unrecorded.append((replica, request.block_hashes, now, None, 0))
-        elif request.block_hashes and self._has_events(replica.replica_id):
-            self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
         if request.session_key:
             self.sessions.remember(request.session_key, replica.replica_id, now)
         return replica
