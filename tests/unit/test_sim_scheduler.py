@@ -25,11 +25,22 @@ def make(blocks: int = 64, block: int = 4, **limits: Any) -> Scheduler:
     return Scheduler(KVCache(blocks, block), SchedulerLimits(**limits), lambda r: 7)
 
 
-def run_to_end(s: Scheduler, steps: int = 1000) -> int:
-    for n in range(steps):
+def run_to_end(
+    s: Scheduler,
+    steps: int = 1000,
+    *,
+    first_step: int = 0,
+    preempted: list[SimRequest] | None = None,
+) -> int:
+    """Step n at time n until nothing is left; the step it ended at. `preempted` collects
+    the requests preempted on the way."""
+    for n in range(first_step, first_step + steps):
         if not s.has_work:
             return n
-        s.complete(s.schedule(), float(n))
+        plan = s.schedule()
+        if preempted is not None:
+            preempted += plan.preempted
+        s.complete(plan, float(n))
     raise AssertionError("did not finish")
 
 
@@ -83,13 +94,8 @@ def test_when_kv_runs_out_the_last_started_request_is_preempted_and_recomputed()
     b = SimRequest("b", list(range(50, 58)), max_tokens=8)
     s.add(a)
     s.add(b)
-    preempted = []
-    for n in range(200):
-        if not s.has_work:
-            break
-        plan = s.schedule()
-        preempted += plan.preempted
-        s.complete(plan, float(n))
+    preempted: list[SimRequest] = []
+    run_to_end(s, 200, preempted=preempted)
     assert b in preempted and a not in preempted
     assert a.status is b.status is Status.FINISHED
     assert len(a.output_ids) == len(b.output_ids) == 8
@@ -137,12 +143,7 @@ def test_kv_shortage_preempts_the_lowest_priority_request_not_the_last_started()
     s.complete(s.schedule(), 0.0)
     s.add(a)
     preempted: list[SimRequest] = []
-    for n in range(1, 200):
-        if not s.has_work:
-            break
-        plan = s.schedule()
-        preempted += plan.preempted
-        s.complete(plan, float(n))
+    run_to_end(s, 199, first_step=1, preempted=preempted)
     assert b in preempted and a not in preempted
     assert a.finished_s < b.finished_s
     assert len(a.output_ids) == len(b.output_ids) == 8
