@@ -35,6 +35,10 @@ Decoding::
     for event in batch.events:             # BlockStored | BlockRemoved | AllBlocksCleared
         ...
 
+The router's index decodes with ``decode_batch_raw_tokens`` instead: the same events, but
+each BlockStored's ``token_ids`` is the ``msgspec.Raw`` msgpack of the array, which
+prefix_hash.chain_hashes_msgpack hashes without making a Python int per token.
+
 Block hashes are ``bytes`` (sha256, vLLM's default) or ``int`` (with
 VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES); treat them as opaque ids.
 """
@@ -114,9 +118,31 @@ class _PositionalBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+# The router's ingest: `token_ids` left as the raw msgpack bytes of the array
+# (prefix_hash.chain_hashes_msgpack hashes them in C), so no Python int is made per token.
+class _BlockStoredRawTokens(BlockStored, tag="BlockStored"):
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")  # type: ignore[assignment]
+
+
+class _BlockStoredRawTokensPositional(_BlockStoredRawTokens, array_like=True):
+    pass
+
+
+class _RawTokensBatch(KVEventBatch):
+    events: list[_BlockStoredRawTokens | BlockRemoved | AllBlocksCleared]  # type: ignore[assignment]
+
+
+class _RawTokensPositionalBatch(_PositionalBatch):
+    events: list[  # type: ignore[assignment]
+        _BlockStoredRawTokensPositional | _BlockRemovedPositional | _AllBlocksClearedPositional
+    ]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _map_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _positional_decoder = msgspec.msgpack.Decoder(_PositionalBatch)
+_raw_map_decoder = msgspec.msgpack.Decoder(_RawTokensBatch)
+_raw_positional_decoder = msgspec.msgpack.Decoder(_RawTokensPositionalBatch)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -145,6 +171,16 @@ def decode_batch(payload: bytes) -> KVEventBatch:
         return _map_decoder.decode(payload)
     except msgspec.ValidationError:
         old = _positional_decoder.decode(payload)
+        return KVEventBatch(old.ts, list(old.events), old.data_parallel_rank)
+
+
+def decode_batch_raw_tokens(payload: bytes) -> KVEventBatch:
+    """`decode_batch` for the router's index: each BlockStored (still an instance of it)
+    carries `token_ids` as the msgspec.Raw msgpack of the array, unchecked until hashed."""
+    try:
+        return _raw_map_decoder.decode(payload)
+    except msgspec.ValidationError:
+        old = _raw_positional_decoder.decode(payload)
         return KVEventBatch(old.ts, list(old.events), old.data_parallel_rank)
 
 

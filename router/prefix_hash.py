@@ -10,13 +10,31 @@ from the prompt's tokens: h_i = hash((h_{i-1}, tuple of block i's token ids)), a
 
 Deterministic across processes: Python's hash of a tuple of ints does not depend on
 PYTHONHASHSEED (only str and bytes hashes do); the adapter name goes through blake2b.
+
+Compiled: `chain_hashes` and `chain_hashes_msgpack` (from a BlockStored event's raw msgpack
+`token_ids`, no Python ints made) come from router/_blockhash.c, which reproduces CPython's
+tuple and int hashes without building tuples; `chain_hashes_reference` below is the
+definition. Importing this module checks the two agree on a fixed sample and refuses to run
+when they do not (another interpreter or hash width) or when the extension is not built:
+a router whose hashes silently differ from the gateway's would never find a cached prefix.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Sequence
 from functools import lru_cache
+
+import msgspec
+
+try:
+    from hpcserve.router import _blockhash
+except ImportError as exc:  # a source tree that was never installed
+    raise ImportError(
+        "hpcserve.router._blockhash (router/_blockhash.c) is not built: run `pip install -e .` "
+        "in the hpcserve checkout (it needs gcc and the Python headers)"
+    ) from exc
 
 HASH_MASK = (1 << 60) - 1
 
@@ -27,8 +45,9 @@ def chain_seed(adapter: str = "") -> int:
     return int.from_bytes(digest, "big") & HASH_MASK
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, parent: int) -> list[int]:
-    """Hashes of the full blocks of `tokens`, chained from `parent`; a partial tail is left out."""
+def chain_hashes_reference(tokens: Sequence[int], block_size: int, parent: int) -> list[int]:
+    """Hashes of the full blocks of `tokens`, chained from `parent`; a partial tail is left out.
+    The definition; `chain_hashes` computes the same, compiled."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     out: list[int] = []
@@ -38,6 +57,47 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: int) -> list[in
         h = hash((h, block))
         append(h)
     return out
+
+
+_API_VERSION = 1  # router/_blockhash.c's BLOCKHASH_API_VERSION
+_built = getattr(_blockhash, "API_VERSION", None)
+if _built != _API_VERSION:
+    raise ImportError(
+        f"hpcserve.router._blockhash is a stale build (API {_built}, this code needs "
+        f"{_API_VERSION}): run `pip install -e .` again to rebuild it"
+    )
+
+chain_hashes = _blockhash.chain_hashes
+"""chain_hashes_reference, compiled: (tokens, block_size, parent) -> list[int]."""
+
+chain_hashes_msgpack = _blockhash.chain_hashes_msgpack
+"""(token_ids, block_size, parent, max_blocks=-1) -> list[int]: chain_hashes of a buffer holding
+one msgpack array of non-negative ints (a BlockStored event's raw `token_ids`), at most
+`max_blocks` blocks; ValueError naming the problem when it is anything else."""
+
+msgpack_array_length = _blockhash.array_length
+"""The item count of the msgpack array in a buffer (its header only)."""
+
+
+def _check_parity() -> None:
+    tokens = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**61 - 1, 2**64 - 1]
+    tokens += [(i * 7_919) % 150_000 for i in range(52)]
+    raw = msgspec.msgpack.encode(tokens)
+    for parent in (0, 1, -1, -2, 2**61 - 1, 2**61, -(2**63), 2**63 - 1, chain_seed("")):
+        for block_size in (1, 16, 17):
+            want = chain_hashes_reference(tokens, block_size, parent)
+            if chain_hashes(tokens, block_size, parent) != want or (
+                chain_hashes_msgpack(raw, block_size, parent) != want
+            ):
+                raise RuntimeError(
+                    "hpcserve.router._blockhash disagrees with prefix_hash.chain_hashes_reference "
+                    f"(parent {parent}, block_size {block_size}) on {sys.implementation.name} "
+                    f"{sys.version.split()[0]}, hash width {sys.hash_info.width}: its tuple hash "
+                    "is CPython's (3.8+, 64-bit); run hpcserve on such an interpreter"
+                )
+
+
+_check_parity()
 
 
 def prompt_block_hashes(tokens: Sequence[int], block_size: int, adapter: str = "") -> list[int]:

@@ -25,8 +25,15 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import msgspec
+
 from hpcserve.router import kv_wire as kw
-from hpcserve.router.prefix_hash import chain_seed
+from hpcserve.router.prefix_hash import (
+    chain_hashes,
+    chain_hashes_msgpack,
+    chain_seed,
+    msgpack_array_length,
+)
 
 _BASE_SEED = chain_seed("")
 
@@ -117,26 +124,37 @@ class PrefixIndex:
         tokens = event.token_ids
         hashes = event.block_hashes
         n = len(hashes)
-        size = event.block_size or (len(tokens) // n if n else 0)
-        if size <= 0 or len(tokens) < n * size:
+        raw = type(tokens) is msgspec.Raw  # kv_wire.decode_batch_raw_tokens's events
+        size = event.block_size
+        if not size and n:
+            size = (msgpack_array_length(tokens) if raw else len(tokens)) // n
+        if size <= 0:
+            self.orphans += 1
+            return
+        # Compiled (prefix_hash): ValueError naming the problem when raw tokens are not an
+        # array of non-negative ints, before anything below changes.
+        if raw:
+            ours = chain_hashes_msgpack(tokens, size, h, n)
+        else:
+            ours = chain_hashes(tokens, size, h)
+            del ours[n:]
+        if len(ours) < n:
             self.orphans += 1
             return
         self._block_size[slot] = size
+        engine.update(zip(hashes, ours, strict=True))
         holders, bit = self._holders, self._bits[slot]
         setdefault = holders.setdefault
-        # Blocks the router recorded when it routed a prompt here are now the engine's.
-        pending = self._unconfirmed[slot]
-        # prefix_hash.chain_hashes inlined (this loop is the ingest rate): zip(*(it,) * size)
-        # cuts the blocks in C, reusing one tuple; tokens past the n blocks are ignored.
-        blocks = zip(*(iter(tokens),) * size, strict=False)
-        for block_hash, block in zip(hashes, blocks, strict=False):
-            h = hash((h, block))
-            engine[block_hash] = h
+        for h in ours:
             old = setdefault(h, bit)
             if old is not bit:
                 holders[h] = old | bit
-            if pending:
-                pending.pop(h, None)
+        # Blocks the router recorded when it routed a prompt here are now the engine's.
+        pending = self._unconfirmed[slot]
+        if pending:
+            pop = pending.pop
+            for h in ours:
+                pop(h, None)
 
     def removed(self, slot: int, event: kw.BlockRemoved) -> None:
         engine = self._engine[slot]

@@ -31,7 +31,8 @@ fi
 if [ -e /dev/nvidia0 ] || command -v nvidia-smi >/dev/null 2>&1; then engine=gpu; else engine=cpu; fi
 extras="$engine,dev"
 stamp="$VENV/.hpcserve-installed"
-want="$(sha256sum pyproject.toml | cut -c1-16) $extras"
+# setup.py and the C source too: an editable install rebuilds the extension only when reinstalled
+want="$(cat pyproject.toml setup.py router/_blockhash.c | sha256sum | cut -c1-16) $extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

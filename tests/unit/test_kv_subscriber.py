@@ -157,3 +157,31 @@ def test_events_of_an_unknown_topic_are_ignored(setup):
     pub._pub.send_multipart(kw.encode_frames("someone-else", 0, cleared))
     pub.publish([block(1)])
     pump(pub, sub, lambda: depth(sub) == 2)
+
+
+def test_a_stored_event_with_bad_token_ids_is_counted_not_fatal(setup):
+    pub, sub, _ = setup
+    connect(pub, sub)
+    # Decodable, but its token_ids are not token ids: the hash (from the raw msgpack) refuses them.
+    pub.publish([kw.BlockStored([1], 0, [4, 5, -1, 7], BS)])
+    pub.publish([kw.BlockStored([1], 0, ["a", "b", "c", "d"], BS)])
+    pump(pub, sub, lambda: sub.metrics.bad._value.get() >= 2)
+    assert depth(sub) == 1
+    pub.publish([block(1)])
+    pump(pub, sub, lambda: depth(sub) == 2)
+
+
+def test_ingest_counts_are_scraped_as_counters(setup):
+    pub, sub, _ = setup
+    connect(pub, sub)  # applies at least one batch storing block 0
+    before = sub.metrics.ingest.batches
+    pub.publish([block(1), block(2), kw.BlockRemoved([2])])
+    pump(pub, sub, lambda: depth(sub) == 2)
+    scraped = {
+        sample.name: sample.value
+        for family in sub.metrics.ingest.collect()
+        for sample in family.samples
+    }
+    assert scraped["hpcserve_router_kv_batches_total"] == before + 1
+    assert scraped["hpcserve_router_kv_blocks_stored_total"] == before + 2
+    assert scraped["hpcserve_router_kv_blocks_removed_total"] == 1
