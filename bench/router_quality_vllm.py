@@ -69,10 +69,10 @@ from bench.workload import (  # noqa: E402
     summarize,
 )
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
-from hpcserve.ports import free_ports  # noqa: E402
 from hpcserve.router.client import list_replicas  # noqa: E402
 from hpcserve.sim.tokenizer import load_tokenizer  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
+from tests.ports import free_ports  # noqa: E402
 from tests.services import stop  # noqa: E402
 
 API_KEY = "sk-router-quality-vllm"
@@ -259,7 +259,7 @@ def engines(args: argparse.Namespace, work: Path) -> Iterator[Fleet]:
         engine_args += ["--block-size", str(BLOCK)]
     # Kept for the whole run while the router and gateway restart per policy: from below
     # the ephemeral range, where no outgoing connection takes them between two runs.
-    registry, routing, gateway, metrics = free_ports(4, "127.0.0.1")
+    registry, routing, gateway, metrics = free_ports(4)
     fleet = Fleet(
         work=work,
         model_dir=model_dir,

@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 from bench.results import write_results  # noqa: E402
 from bench.workload import SLO, build, run_workload, summarize  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
-from hpcserve.ports import free_ports  # noqa: E402
 from hpcserve.router.client import list_replicas  # noqa: E402
+from tests.ports import free_ports  # noqa: E402
 
 API_KEY = "sk-simfleet-bench"
 MODEL = "sim-chat"
@@ -172,7 +172,7 @@ def sim_stack(
         # From below the ephemeral range: the fleet binds ~200 ephemeral ports while the
         # router and gateway start, and once took the gateway's (the workload then went to
         # one replica directly) or the router's (no replica could register).
-        registry_port, routing_port, gw_port = free_ports(3, "127.0.0.1")
+        registry_port, routing_port, gw_port = free_ports(3)
         registry = f"tcp://127.0.0.1:{registry_port}"
         routing_ep = f"tcp://127.0.0.1:{routing_port}"
         routing_cfg = dict(routing or {})

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,14 +39,9 @@ from hpcserve.modelcache.cache import NodeCache  # noqa: E402
 from hpcserve.modelcache.manifest import Manifest, build_manifest  # noqa: E402
 from hpcserve.modelcache.stage import stage  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 MODEL = "bench-chat"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def drop_from_page_cache(path: Path) -> None:

@@ -13,7 +13,13 @@ replies carry its epoch, new at each start; a gateway that sees a new epoch know
 counts none of its requests yet, and declares those still in flight (`InFlight`) for the
 replicas the new router lists, once they have re-registered; so do requests routed on the
 fallback view while the router was away. A request the router never counted is not released
-to it.
+to it. The same happens when the connection to the same router drops (a network blip): the
+router releases everything that connection counted (router/in_flight_book.py), since a
+Release or InFlight sent on it may have been lost with it, and this side declares again on
+the next connection what is still in flight; nothing queued for the old connection but
+Routes is sent on the new one. Routes and listings sent on the lost connection and not
+answered are sent again on the next one (without the Releases folded into them), rather than
+waiting out their deadline: the router released whatever the lost connection counted.
 
 Every wait has a deadline (`gateway.route_timeout_s`): a router that does not answer costs
 a 503, never a hung request. While no router is connected, messages wait in the outbox (as
@@ -42,6 +48,9 @@ R = TypeVar("R", bound=p.RoutingReply)
 RELEASE_DELAY_S = 0.002
 # At most this many messages leave as one multipart message.
 MAX_FRAMES = 256
+# Asked again on a new connection when the one they were sent on is lost before the answer
+# (not QuotaReport: it carries usage the router may have counted already).
+_RESENDABLE = (p.Route, p.ListModels, p.ListReplicas)
 
 
 class RouterUnavailable(Exception):
@@ -69,8 +78,9 @@ class RoutingClient:
         self._dealer: ZmtpDealer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count(1)
-        # request id -> (future, deadline on the loop's clock)
-        self._pending: dict[int, tuple[asyncio.Future[p.RoutingReply], float]] = {}
+        # request id -> (future, deadline on the loop's clock, the request again if it may be
+        # re-sent on a new connection, else b"")
+        self._pending: dict[int, tuple[asyncio.Future[p.RoutingReply], float, bytes]] = {}
         # (request id, or 0 for a Release; encoded message) not yet sent
         self._outbox: list[tuple[int, bytes]] = []
         self._flush_soon = False
@@ -89,13 +99,16 @@ class RoutingClient:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._dealer = ZmtpDealer(self.endpoint, self._on_message, self._flush)
+        self._dealer = ZmtpDealer(
+            self.endpoint, self._on_message, self._connected, on_lost=self._connection_lost
+        )
         self._dealer.start()
         self._viewer = asyncio.create_task(self._refresh_view(), name="routing-client-view")
         log.info("routing client connecting to %s", self.endpoint)
 
     async def _refresh_view(self) -> None:
         while True:
+            self._refresh_now.clear()  # a wish to refresh made while listing is kept
             try:
                 listed = await self.replicas()
             except RouterUnavailable as err:
@@ -104,7 +117,6 @@ class RoutingClient:
                 self._see_epoch(listed.epoch)
                 self.view.update(listed.replicas, listed.aliases)
                 self._declare({r.replica_id for r in listed.replicas})
-            self._refresh_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._refresh_now.wait(), self.view_refresh_s)
 
@@ -119,6 +131,38 @@ class RoutingClient:
             self._declared.clear()
             self._refresh_now.set()  # its replica list says which can be declared now
         self.epoch = epoch
+
+    def _connection_lost(self) -> None:
+        """The router releases what the lost connection counted: all of it is undeclared
+        now; queued Releases and InFlight (for the old connection's counts) are dropped;
+        requests sent and not answered are queued again; Routes lose the Releases folded
+        into them."""
+        for key, count in self._declared.items():
+            self._undeclared[key] = self._undeclared.get(key, 0) + count
+        self._declared.clear()
+        self._take_released()
+        queued = {request_id for request_id, _ in self._outbox}
+        unanswered = [
+            (request_id, again)
+            for request_id, (_, _, again) in self._pending.items()
+            if again and request_id not in queued
+        ]
+        self._outbox = [
+            (request_id, self._without_releases(payload))
+            for request_id, payload in unanswered + self._outbox
+            if request_id
+        ]
+
+    def _without_releases(self, payload: bytes) -> bytes:
+        msg = p.routing_message_decoder.decode(payload)
+        if isinstance(msg, p.Route) and msg.released:
+            return self._encode(msgspec.structs.replace(msg, released=[], released_models=[]))
+        return payload
+
+    def _connected(self) -> None:
+        self._flush()
+        if self._undeclared:
+            self._refresh_now.set()  # the replica list says which can be declared now
 
     def _declare(self, live: set[str]) -> None:
         """Requests in flight on `live` replicas the router does not count yet: InFlight."""
@@ -188,7 +232,7 @@ class RoutingClient:
         self._expiry = None
         assert self._loop is not None
         now = self._loop.time()
-        for request_id, (future, deadline) in list(self._pending.items()):
+        for request_id, (future, deadline, _) in list(self._pending.items()):
             if deadline <= now:
                 del self._pending[request_id]
                 if not future.done():
@@ -212,8 +256,10 @@ class RoutingClient:
         assert self._loop is not None, "RoutingClient.start() was not awaited"
         request_id = next(self._ids)
         future: asyncio.Future[p.RoutingReply] = self._loop.create_future()
-        self._pending[request_id] = (future, self._loop.time() + self.timeout_s)
-        self._send(request_id, self._encode(make(request_id=request_id, **fields)))
+        payload = self._encode(make(request_id=request_id, **fields))
+        resend = payload if make in _RESENDABLE else b""
+        self._pending[request_id] = (future, self._loop.time() + self.timeout_s, resend)
+        self._send(request_id, payload)
         if self._expiry is None:
             self._arm_expiry()
         try:

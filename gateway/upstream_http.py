@@ -9,6 +9,10 @@ headers, then the body whole or as it arrives (chunked, content-length or close-
   closed while idle is dropped from the pool as soon as the loop sees it; one that dies as it
   is reused, before any byte of an answer, is replaced once by a new connection (the request
   was not answered: the race every keep-alive client has with the server's idle timeout).
+- Origins come and go (replicas leave when their job ends): one timer, every half
+  `keepalive_s` while any pool exists, closes idle connections past `keepalive_s` in every
+  pool, and forgets a pool with no connection left and no caller waiting for one. Reuse
+  alone cannot age out the sockets of an origin no request goes to any more.
 - TCP_NODELAY on every connection, and the request's head and body in one write: no Nagle +
   delayed-ACK stall on small requests and streamed answers. https through asyncio's TLS.
 - Timeouts: connect (`UpstreamTimeout` phase "connect"), first byte of the answer ("first
@@ -352,10 +356,19 @@ class _Pool:
         conn.idle_since = now = self.client.loop.time()
         idle = self.idle
         idle.append(conn)
-        # The oldest idle one (bottom of the stack) ages out here: no sweeper task.
+        # The oldest idle one (bottom of the stack) ages out here; the client's sweep does it
+        # for pools no request comes back to.
         if idle[0].idle_since < now - self.client.keepalive_s:
             self._evict(idle.pop(0))
         self._wake()
+
+    def sweep(self, expired: float) -> bool:
+        """Closes idle connections unused since `expired`; whether the pool is now unused
+        (nothing open, connecting or waiting: it can be forgotten)."""
+        idle = self.idle
+        while idle and (idle[0].closed or idle[0].idle_since <= expired):
+            self._evict(idle.pop(0))
+        return self.open == 0 and not self.waiters
 
     def _lost(self, conn: _Connection) -> None:
         if conn not in self.connections:
@@ -599,6 +612,8 @@ class UpstreamClient:
         self._inflight: dict[UpstreamResponse, None] = {}
         self._watchdog: asyncio.TimerHandle | None = None
         self._tick_s = min(1.0, max(0.01, min(first_byte_timeout_s, idle_timeout_s) / 10))
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_s = max(0.01, keepalive_s / 2)
 
     async def request(
         self, method: str, url: str, body: bytes, headers: Mapping[str, str]
@@ -643,6 +658,9 @@ class UpstreamClient:
         self._targets.clear()
         self._inflight.clear()
         self._watchdog = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         self.loop = loop
 
     def _target(self, method: str, url: str) -> tuple[_Pool, bytes]:
@@ -656,6 +674,8 @@ class UpstreamClient:
                     self._ssl = ssl_module.create_default_context()
                 ssl = self._ssl
             pool = self._pools[key] = _Pool(self, host, port, ssl)
+            if self._sweeper is None:
+                self._sweeper = self.loop.call_later(self._sweep_s, self._sweep)
         if len(self._targets) >= _TARGETS_MAX:
             self._targets.clear()
         target = self._targets[(method, url)] = (pool, start)
@@ -677,6 +697,20 @@ class UpstreamClient:
             self.loop.call_later(self._tick_s, self._check_silence) if inflight else None
         )
 
+    def _sweep(self) -> None:
+        expired = self.loop.time() - self.keepalive_s
+        unused = [key for key, pool in self._pools.items() if pool.sweep(expired)]
+        if unused:
+            gone = {id(self._pools.pop(key)) for key in unused}
+            for url, (pool, _) in list(self._targets.items()):
+                if id(pool) in gone:
+                    del self._targets[url]
+        self._sweeper = self.loop.call_later(self._sweep_s, self._sweep) if self._pools else None
+
+    def origins(self) -> int:
+        """Origins with a pool (connections open or opening, or callers waiting)."""
+        return len(self._pools)
+
     def idle_connections(self) -> int:
         return sum(len(pool.idle) for pool in self._pools.values())
 
@@ -688,6 +722,9 @@ class UpstreamClient:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for pool in self._pools.values():
             pool.close()
         await asyncio.sleep(0)  # connection_lost callbacks run

@@ -21,6 +21,7 @@ from hpcserve.router.zmtp import (
     ZmtpParser,
     command_name,
     encode_message,
+    keepalive,
     parse_endpoint,
     ready,
 )
@@ -35,6 +36,13 @@ def _same(conn: _Connection) -> _Connection:
     return conn
 
 
+def _connected_to_itself(sock: socket.socket) -> bool:
+    try:
+        return bool(sock.getsockname() == sock.getpeername())
+    except OSError:
+        return False
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, owner: ZmtpDealer) -> None:
         self.owner = owner
@@ -45,10 +53,20 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        self.owner._conn = self
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            if _connected_to_itself(sock):
+                # No router listens on the port, and the kernel picked that same port as
+                # this side's own: TCP joins the socket to itself, and our own greeting and
+                # READY would answer us. Every Route would then go unanswered.
+                log.warning(
+                    "routing connection to %s reached itself; retrying", self.owner.endpoint
+                )
+                transport.abort()
+                return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keepalive(sock)  # a router host gone without a word: reconnect, not wait
+        self.owner._conn = self
         transport.write(GREETING + READY)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -79,7 +97,8 @@ class _Connection(asyncio.Protocol):
 
 class ZmtpDealer:
     """`send` a message (list of frames) while `connected`; each message received goes to
-    `on_message`; `on_connected` is called each time a connection becomes ready."""
+    `on_message`; `on_connected` is called each time a connection becomes ready, `on_lost`
+    each time a ready one is lost (what was sent on it may not have arrived)."""
 
     def __init__(
         self,
@@ -88,11 +107,13 @@ class ZmtpDealer:
         on_connected: Callable[[], None] = lambda: None,
         *,
         reconnect_s: float = 0.1,
+        on_lost: Callable[[], None] = lambda: None,
     ) -> None:
         self.endpoint = endpoint
         self._kind, self._host, self._port = parse_endpoint(endpoint)
         self.on_message = on_message
         self.on_connected = on_connected
+        self.on_lost = on_lost
         self.reconnect_s = reconnect_s
         self._closing = False
         self._conn: _Connection | None = None
@@ -149,3 +170,5 @@ class ZmtpDealer:
     def _lost(self, conn: _Connection, was_ready: bool) -> None:
         if was_ready and not self._closing:
             log.warning("routing connection to %s lost; reconnecting", self.endpoint)
+        if was_ready:
+            self.on_lost()

@@ -76,6 +76,9 @@ class LocalSlurmSpec:
     cpus_per_node: int = 2
     memory_mb: int = 8000
     partition: str = "gpu"
+    # A second partition over the same nodes for batch pools (slurm.batch_partition), in a
+    # lower PriorityTier: jobs of `partition` preempt (cancel) its jobs. "": none.
+    batch_partition: str = ""
 
 
 def _which(name: str) -> str | None:
@@ -316,10 +319,19 @@ class LocalSlurm:
             if s.gpus_per_node:
                 last = s.gpus_per_node - 1
                 gres_lines.append(f"NodeName={node} Name=gpu File={d}/fakegpu/{node}/gpu[0-{last}]")
+        tier = ""
+        if s.batch_partition:
+            lines += ["PreemptType=preempt/partition_prio", "PreemptMode=CANCEL"]
+            tier = " PriorityTier=2"
         lines.append(
             f"PartitionName={s.partition} Nodes={','.join(self.node_names)} Default=YES"
-            " MaxTime=INFINITE State=UP"
+            f" MaxTime=INFINITE State=UP{tier}"
         )
+        if s.batch_partition:
+            lines.append(
+                f"PartitionName={s.batch_partition} Nodes={','.join(self.node_names)}"
+                " MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=CANCEL"
+            )
         return "\n".join(lines) + "\n", "\n".join(gres_lines) + "\n"
 
     def _write_config(self) -> bool:
@@ -390,6 +402,32 @@ class LocalSlurm:
             for pid in _all_pids()
             if _comm(pid) == "slurmstepd" and pid_alive(pid) and _env_has(pid, "SLURM_CONF", conf)
         }
+
+    def _our_job_processes(self) -> set[int]:
+        """Live processes with this cluster's SLURM_CONF and a SLURM_JOB_ID: a job's."""
+        conf = f"SLURM_CONF={self.conf_path}".encode()
+        found = set()
+        for pid in _all_pids():
+            environ = (_read_proc(pid, "environ") or b"").split(b"\0")
+            job = conf in environ and any(e.startswith(b"SLURM_JOB_ID=") for e in environ)
+            if job and pid != os.getpid() and pid_alive(pid):
+                found.add(pid)
+        return found
+
+    def _kill_strays(self, deadline: float) -> set[int]:
+        """What the scans in stop() missed: a job launched as the daemons stopped (its stepd
+        not started yet when they looked), or a job process whose stepd lost track of it
+        (proctrack/linuxproc follows parent links). Killed until none is left; those that
+        survive SIGKILL until `deadline` are returned."""
+        strays = self._our_daemon_pids() | self._our_stepds() | self._our_job_processes()
+        while strays and time.monotonic() < deadline:
+            tree = strays | _descendants(strays)
+            log.warning("killing stray processes of %s: %s", self.state_dir, sorted(tree))
+            _signal(tree, signal.SIGKILL)
+            if _wait_gone(tree, deadline):
+                break
+            strays = self._our_daemon_pids() | self._our_stepds() | self._our_job_processes()
+        return {p for p in strays if pid_alive(p)}
 
     def is_running(self) -> bool:
         """True when slurmctld and every slurmd of this cluster are alive."""
@@ -690,6 +728,7 @@ class LocalSlurm:
             log.warning("killing leftover job processes of %s: %s", self.state_dir, sorted(tree))
             _signal(tree, signal.SIGKILL)
             left |= _wait_gone(tree, time.monotonic() + 3)
+        left |= self._kill_strays(time.monotonic() + 5)
         self._stop_munge_if_ours(max(deadline, time.monotonic() + 2))
         for pid_file in [self._ctld_pid_file()] + [
             self._slurmd_pid_file(n) for n in self.node_names

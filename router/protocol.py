@@ -151,7 +151,8 @@ class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
-    """A routed request finished; the router's in-flight count for the replica drops."""
+    """A routed request finished; the router's in-flight count for the replica drops (for a
+    request routed or declared on the same connection: router/in_flight_book.py)."""
 
     replica_id: str
     model: str = ""  # what the request asked for ("": not said)

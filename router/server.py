@@ -28,6 +28,7 @@ from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.curve import check_plain_bind, make_server, start_authenticator
 from hpcserve.router.decide import Decider
+from hpcserve.router.in_flight_book import InFlightBook
 from hpcserve.router.kv_subscriber import KvEventSubscriber
 from hpcserve.router.prefix_index import PrefixIndex
 from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET, within_budget
@@ -71,6 +72,12 @@ class RouterMetrics:
             "hpcserve_router_bad_messages_total",
             "Undecodable messages by socket",
             ["socket"],
+            registry=registry,
+        )
+        self.connection_releases = Counter(
+            "hpcserve_router_connection_releases_total",
+            "Requests in flight released because the routing connection that counted them "
+            "closed (its gateway declares those still running again)",
             registry=registry,
         )
         self.decision_seconds = Histogram(
@@ -131,6 +138,9 @@ class RouterServer:
         self._routing_sock: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._routing: ZmtpRouter | None = None
+        # Requests in flight by the routing connection that counted them (released when it
+        # drops; its gateway declares them again on its next connection).
+        self.in_flight_book = InFlightBook()
         if routing_socket not in ("zmtp", "libzmq"):
             raise ValueError(f"routing_socket {routing_socket!r}: expected zmtp or libzmq")
         self._routing_socket = routing_socket
@@ -148,7 +158,9 @@ class RouterServer:
             self._registry_sock = self._bind(self.config.registry_bind, curve_dir)
             if self._routing_socket == "zmtp":
                 try:
-                    self._routing = ZmtpRouter(self.config.routing_bind, self._poller)
+                    self._routing = ZmtpRouter(
+                        self.config.routing_bind, self._poller, on_drop=self._connection_gone
+                    )
                 except ValueError as err:
                     raise RuntimeError(str(err)) from None
                 self._routing.bind()
@@ -254,7 +266,7 @@ class RouterServer:
         message; the replies go back the same way."""
         on_routing = self._on_routing
         for peer, frames in routing.receive(events):
-            replies = [r for r in map(on_routing, frames) if r is not None]
+            replies = [r for f in frames if (r := on_routing(f, peer)) is not None]
             if replies:
                 routing.send(peer, replies)
             self.decider.record_routed()
@@ -310,8 +322,9 @@ class RouterServer:
                 return
         sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
 
-    def _on_routing(self, payload: bytes) -> bytes | None:
-        """One gateway message; its encoded reply (None: it has none)."""
+    def _on_routing(self, payload: bytes, peer: bytes = b"") -> bytes | None:
+        """One gateway message; its encoded reply (None: it has none). `peer`: the routing
+        connection it came by, which books its requests in flight (b"": none books them)."""
         try:
             msg = p.routing_message_decoder.decode(payload)
         except msgspec.DecodeError as err:
@@ -321,12 +334,14 @@ class RouterServer:
         reply: p.RoutingReply
         match msg:
             case p.Route():
-                reply = self.route(msg)
+                reply = self.route(msg, peer)
+                if peer and reply.replica_id:
+                    self.in_flight_book.booked(peer, reply.replica_id, msg.model)
             case p.Release():
-                self._released(msg.replica_id, msg.model)
+                self._released_by(peer, msg.replica_id, msg.model)
                 return None
             case p.InFlight():
-                self._declared(msg)
+                self._declared(msg, peer)
                 return None
             case p.ListModels():
                 reply = p.ModelList(
@@ -368,7 +383,7 @@ class RouterServer:
         self.adapters.forget(msg.replica_id)
         return p.RegistryAck(msg.replica_id, 0.0)
 
-    def _declared(self, msg: p.InFlight) -> None:
+    def _declared(self, msg: p.InFlight, peer: bytes = b"") -> None:
         """A gateway's requests in flight that this router did not route, counted as routed
         (per replica, and per LoRA adapter); releases follow as for any routed request."""
         for i, replica_id in enumerate(msg.replica_ids):
@@ -377,6 +392,8 @@ class RouterServer:
                 continue
             self.registry.routed(replica)
             model = msg.models[i] if i < len(msg.models) else ""
+            if peer:
+                self.in_flight_book.booked(peer, replica_id, model)
             if model and model != replica.model and self.adapters.is_adapter(model):
                 self.adapters.routed(replica_id, model)
 
@@ -385,10 +402,32 @@ class RouterServer:
         replica = self.registry.get(replica_id)
         self.adapters.released(replica_id, model, idle=replica is None or not replica.in_flight)
 
-    def route(self, msg: p.Route) -> p.RouteReply:
+    def _released_by(self, peer: bytes, replica_id: str, model: str) -> None:
+        """A Release that came by routing connection `peer`: only what it booked is undone."""
+        if peer:
+            booked = self.in_flight_book.release(peer, replica_id, model)
+            if booked is None:
+                return  # booked by a connection that has dropped since: released then
+            model = booked
+        self._released(replica_id, model)
+
+    def _connection_gone(self, peer: bytes) -> None:
+        released = self.in_flight_book.dropped(peer)
+        for replica_id, model in released:
+            self._released(replica_id, model)
+        if released:
+            self.metrics.connection_releases.inc(len(released))
+            log.info(
+                "routing connection %s gone: %d requests it counted in flight released "
+                "(its gateway declares those still running again)",
+                peer.hex(),
+                len(released),
+            )
+
+    def route(self, msg: p.Route, peer: bytes = b"") -> p.RouteReply:
         for i, replica_id in enumerate(msg.released):
             model = msg.released_models[i] if i < len(msg.released_models) else ""
-            self._released(replica_id, model)
+            self._released_by(peer, replica_id, model)
         started = time.perf_counter()
         candidates = self.registry.for_model(msg.model)
         served_as = ""
@@ -400,7 +439,12 @@ class RouterServer:
             msg = msgspec.structs.replace(msg, model=served_as)
         adapter = not candidates and self.adapters.is_adapter(msg.model)
         if adapter:
-            decision = self.adapters.route(msg.model, self.registry)
+            decision = self.adapters.route(
+                msg.model,
+                self.registry,
+                priority=msg.priority,
+                lend_below=self.config.routing.batch_lend_below,
+            )
             if decision.load is not None and self._registry_sock is not None:
                 self._registry_sock.send_multipart(
                     [decision.peer, p.encode(decision.load)], zmq.NOBLOCK

@@ -39,6 +39,10 @@ _MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
 # A frame larger than this is refused (the connection closed) rather than buffered: routing
 # messages are kilobytes, so a size like this is a broken or hostile peer.
 MAX_FRAME = 64 << 20
+# A routing connection silent this long (TCP keepalive: 10 s idle, 3 probes 5 s apart), or
+# with what it sent unacknowledged this long (TCP_USER_TIMEOUT), is dropped: a peer gone
+# without closing it.
+KEEPALIVE_S = 25
 
 
 class ZmtpError(Exception):
@@ -173,11 +177,21 @@ class ZmtpRouter:
     new peers, reads what arrived and yields (peer id, frames) per message; `send(peer, frames)`
     writes at once (what the kernel does not take waits for POLLOUT, up to `max_buffered`
     bytes per peer; beyond that a message is dropped, as libzmq's ROUTER drops at its high
-    water mark). A peer that sends what is not ZMTP is disconnected and logged.
+    water mark). A peer that sends what is not ZMTP is disconnected and logged. `on_drop`
+    is told each peer id whose connection is gone (closed, reset, dropped, or silent past
+    TCP keepalive: KEEPALIVE_S).
     """
 
-    def __init__(self, endpoint: str, poller: zmq.Poller, *, max_buffered: int = 64 << 20) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        poller: zmq.Poller,
+        *,
+        max_buffered: int = 64 << 20,
+        on_drop: Callable[[bytes], None] | None = None,
+    ) -> None:
         self.endpoint = endpoint
+        self.on_drop = on_drop
         self._kind, self._host, self._port = parse_endpoint(
             endpoint, "router.routing_bind", bind=True
         )
@@ -226,20 +240,27 @@ class ZmtpRouter:
                 os.unlink(self._host)
 
     def receive(self, events: dict[int, int]) -> Iterator[tuple[bytes, list[bytes]]]:
-        """The messages that arrived, per the poll's `events` (fd -> flags)."""
+        """The messages that arrived, per the poll's `events` (fd -> flags). Nothing more of
+        a peer once it is dropped (at EOF after its last bytes, or as a reply to it fails):
+        its replies could not be sent, and `on_drop` has already settled its account."""
         if self._listener is not None and self._listener.fileno() in events:
             self._accept()
+        by_id = self._by_id
         for fd, flags in events.items():
             peer = self._peers.get(fd)
             if peer is None:
                 continue
             if flags & zmq.POLLOUT:
                 self._flush(peer)
+                if peer.id not in by_id:
+                    continue
             if flags & (zmq.POLLIN | zmq.POLLERR):
                 self._read(peer)
                 inbox = peer.inbox[:]
                 peer.inbox.clear()
                 for frames in inbox:
+                    if peer.id not in by_id:
+                        break
                     yield peer.id, frames
 
     def send(self, peer_id: bytes, frames: list[bytes]) -> bool:
@@ -278,6 +299,7 @@ class ZmtpRouter:
             sock.setblocking(False)
             if sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                keepalive(sock)
             peer = _Peer(next(self._ids).to_bytes(4, "big"), sock)
             self._peers[sock.fileno()] = peer
             self._by_id[peer.id] = peer
@@ -328,5 +350,22 @@ class ZmtpRouter:
         fd = peer.sock.fileno()
         if self._peers.pop(fd, None) is not None:
             self._poller.unregister(fd)
-        self._by_id.pop(peer.id, None)
+        gone = self._by_id.pop(peer.id, None) is not None
         peer.sock.close()
+        if gone and self.on_drop is not None:
+            self.on_drop(peer.id)
+
+
+def keepalive(sock: socket.socket) -> None:
+    """A peer that vanished without closing (host down, network partition) is noticed
+    within about KEEPALIVE_S (idle, then probes), not hours later."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    options = {
+        "TCP_KEEPIDLE": 10,
+        "TCP_KEEPINTVL": 5,
+        "TCP_KEEPCNT": 3,
+        "TCP_USER_TIMEOUT": KEEPALIVE_S * 1000,  # ms; else retransmissions last ~15 min
+    }
+    for option, value in options.items():
+        if hasattr(socket, option):  # Linux; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)

@@ -27,11 +27,24 @@ def _ports_free(first: int, count: int = 3) -> bool:
     return True
 
 
+_blocks_handed_out: set[int] = set()
+
+
 def free_port_block() -> int:
+    """The first of 3 free ports for a cluster's daemons (tests/ports.py keeps out of this
+    range), never one handed out before by this process: a cluster that has not bound its
+    ports yet looks free."""
     for first in range(26817, 27817, 10):
-        if _ports_free(first):
+        if first not in _blocks_handed_out and _ports_free(first):
+            _blocks_handed_out.add(first)
             return first
     raise AssertionError("no free block of 3 ports in 26817..27817")
+
+
+# How long a job's processes may take to go once it has ended: Slurm's KillWait (10 s,
+# hpcserve/localslurm.py) between its SIGTERM and SIGKILL, plus what a loaded 2-core machine
+# adds. Waited for with wait_for: it returns as soon as they are gone.
+PROCESSES_GONE_S = 45
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10) -> T:

@@ -7,7 +7,9 @@ within about a second, so every test here finishes in a few seconds.
 from __future__ import annotations
 
 import re
+import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import TypeVar
@@ -186,12 +188,25 @@ def test_port_in_use_is_named(tmp_path: Path) -> None:
     assert conf_processes(other.conf_path) == []
 
 
+def _sleeping(cluster: LocalSlurm) -> bool:
+    return any(line.endswith(" sleep 30") for line in conf_processes(cluster.conf_path))
+
+
 def test_stop_leaves_no_process(cluster: LocalSlurm) -> None:
     client = SlurmCLI(cluster.env(), timeout_s=10)
     job_id = submit(client, cluster, GPU1, "-J", "hpcs-left-running")
-    wait_for("running", lambda: job(client, job_id).state is JobState.RUNNING, timeout=5)
-    assert conf_processes(cluster.conf_path)
-    cluster.stop()
+    wait_for("running", lambda: job(client, job_id).state is JobState.RUNNING, timeout=30)
+    # RUNNING comes before the job's processes: wait for its script's `sleep 30` itself
+    wait_for("the job's sleep", lambda: _sleeping(cluster), timeout=30)
+    # A job process no slurmstepd tracks (proctrack/linuxproc loses one whose parent exits
+    # first; a job launched as the daemons stop starts after stop() looked): it goes too.
+    stray = subprocess.Popen(["sleep", "60"], env={**cluster.env(), "SLURM_JOB_ID": "999999"})
+    try:
+        cluster.stop()
+        assert stray.wait(5) == -signal.SIGKILL
+    finally:
+        stray.kill()
+        stray.wait()
     assert not cluster.is_running()
     assert conf_processes(cluster.conf_path) == []
     # stop() is idempotent, and start() brings the same cluster back with idle nodes

@@ -32,7 +32,7 @@ from hpcserve.router.client import list_replicas
 from hpcserve.router.protocol import ReplicaInfo
 from hpcserve.router.server import RouterServer
 from hpcserve.tinymodels import make_tiny_model
-from tests.integration.slurm_helpers import cluster_config, wait_for
+from tests.integration.slurm_helpers import PROCESSES_GONE_S, cluster_config, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -166,7 +166,9 @@ def test_sim_replica_across_two_nodes_serves_registers_once_and_drains(replica_f
     assert result and result[0]["choices"][0]["finish_reason"] == "length"
     assert result[0]["usage"]["completion_tokens"] == 300, "the request in flight finished"
     assert ended.state is JobState.COMPLETED
-    wait_for("no process of the job", lambda: not job_processes(job.job_id), timeout=10)
+    wait_for(
+        "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
+    )
 
     log = replica.log(job)
     assert "0: " in log and "1: " in log  # srun --label: one engine per node rank
@@ -188,7 +190,9 @@ def test_a_lost_rank_fails_the_replica(replica_for: Any) -> None:
     wait_for("the replica to leave routing", lambda: not replica.replicas(), timeout=10)
     wait_for("the job to end", lambda: not replica.job().state.is_active, timeout=30)
     assert replica.job().state is JobState.FAILED
-    wait_for("no process of the job", lambda: not job_processes(job.job_id), timeout=10)
+    wait_for(
+        "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
+    )
     log = replica.log(job)
     assert "headless vLLM exited with code -9" in log
 

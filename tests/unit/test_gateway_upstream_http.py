@@ -516,3 +516,59 @@ def test_https_with_the_servers_certificate_checked() -> None:
             listener.close()
 
     asyncio.run(scenario())
+
+
+# -- origins that leave -------------------------------------------------------------------
+
+
+def test_an_origin_no_request_goes_to_any_more_is_closed_and_forgotten() -> None:
+    """A replica whose job ended, or that left the routing view: its idle connection and
+    its pool must not stay for the life of the gateway."""
+
+    async def scenario() -> None:
+        async with serving({"/echo": echo}) as gone, serving({"/echo": echo}) as staying:
+            upstream = client(keepalive_s=0.3)
+            for server in (gone, staying):
+                await (await upstream.request("POST", server.url + "/echo", b"", {})).read()
+            assert upstream.origins() == 2 and upstream.idle_connections() == 2
+            for _ in range(8):  # only `staying` is used from now on
+                await asyncio.sleep(0.1)
+                await (await upstream.request("POST", staying.url + "/echo", b"", {})).read()
+            await asyncio.wait_for(gone.closed.wait(), 2)
+            assert gone.open == 0, "the departed origin's idle socket was closed"
+            assert upstream.origins() == 1 and upstream.idle_connections() == 1
+            assert all(gone.url not in url for _, url in upstream._targets)
+            assert staying.connections == 1, "the origin in use kept its connection"
+            again = await upstream.request("POST", gone.url + "/echo", b"back", {})
+            assert (await again.read()).endswith(b":back") and gone.connections == 2
+            await upstream.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_pool_in_use_or_closed_by_its_origin() -> None:
+    """Busy past keepalive_s: kept (its connection goes back to it). Every connection
+    closed by the origin: forgotten at the next sweep, without waiting for keepalive_s."""
+
+    async def slow(body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.4)
+        await echo(body, reader, writer)
+
+    async def once(body: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await echo(body, reader, writer)
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> None:
+        async with serving({"/slow": slow, "/once": once}) as server:
+            upstream = client(keepalive_s=0.1)
+            response = await upstream.request("POST", server.url + "/slow", b"x", {})
+            assert (await response.read()).endswith(b":x")
+            assert upstream.origins() == 1 and upstream.idle_connections() == 1
+            await (await upstream.request("POST", server.url + "/once", b"", {})).read()
+            await asyncio.wait_for(server.closed.wait(), 2)
+            await asyncio.sleep(0.2)
+            assert upstream.origins() == 0 and upstream.open_connections() == 0
+            await upstream.close()
+
+    asyncio.run(scenario())

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from hpcserve.engine_launch.lifeline import HeadLink, WorkerLink
+from tests.ports import free_port
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
@@ -59,9 +60,7 @@ def test_a_stranger_is_not_a_rank(head: tuple[HeadLink, list[int]]) -> None:
 
 
 def test_worker_waits_for_a_head_that_starts_later() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # not ephemeral: a retried connect to one can end up joined to itself
     lost: list[int] = []
     started: list[HeadLink] = []
     timer = threading.Timer(
@@ -79,9 +78,7 @@ def test_worker_waits_for_a_head_that_starts_later() -> None:
 
 
 def test_worker_gives_up_naming_the_head() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(
         ConnectionError, match=f"cannot reach the head's engine at 127.0.0.1:{port}"
     ):

@@ -98,35 +98,39 @@ def router() -> Iterator[RouterServer]:
         yield server
 
 
-def ask(router: RouterServer, msg: p.Route) -> p.RouteReply:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+@pytest.fixture
+def gateway(router: RouterServer) -> Iterator[zmq.Socket]:
+    """One connection for the test's Routes: the router releases a connection's requests
+    in flight when it closes (router/in_flight_book.py)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(router.config.routing_bind)
-    try:
-        sock.send(p.encode(msg))
-        assert sock.poll(5000), "no answer from the router"
-        reply = p.routing_reply_decoder.decode(sock.recv())
-    finally:
-        sock.close()
+    yield sock
+    sock.close()
+
+
+def ask(sock: zmq.Socket, msg: p.Route) -> p.RouteReply:
+    sock.send(p.encode(msg))
+    assert sock.poll(5000), "no answer from the router"
+    reply = p.routing_reply_decoder.decode(sock.recv())
     assert isinstance(reply, p.RouteReply)
     return reply
 
 
 def test_the_router_answers_over_budget_and_counts_nothing(
-    router: RouterServer, monkeypatch: pytest.MonkeyPatch
+    router: RouterServer, gateway: zmq.Socket, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(queue_wait, "clock", lambda: 50.0)
     load = p.ReplicaLoad(running=2, waiting=4)
     replica = router.registry.register(p.Register("r1", "m", "http://r1", load=load), now=1e12)
     replica.service.interval = 0.5
-    over = ask(router, p.Route(1, "m", queue_budget_s=1.0))
+    over = ask(gateway, p.Route(1, "m", queue_budget_s=1.0))
     assert over.error == OVER_QUEUE_BUDGET and not over.replica_id
     assert over.queue_wait_s == pytest.approx(2.5)  # (4 waiting + 1) x 0.5 s
     assert replica.in_flight == 0
     # Without a budget (a tenant that may not overflow) the request queues there.
-    assert ask(router, p.Route(2, "m")).replica_id == "r1"
-    assert ask(router, p.Route(3, "m", queue_budget_s=10.0)).replica_id == "r1"
+    assert ask(gateway, p.Route(2, "m")).replica_id == "r1"
+    assert ask(gateway, p.Route(3, "m", queue_budget_s=10.0)).replica_id == "r1"
     assert replica.in_flight == 2
 
 
