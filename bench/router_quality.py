@@ -70,6 +70,34 @@ def replica_shares(urls: list[str]) -> list[float]:
     return [c / total for c in counts]
 
 
+def write_trace(engine_trace: Path, specs: list, results: list, tokenizer: object) -> None:
+    """Join each request's client measurement with its engine's record (by prompt ids)
+    into requests-*.jsonl beside the engines' trace, in arrival order."""
+    by_prompt: dict[int, dict] = {}
+    if engine_trace.exists():
+        for line in engine_trace.read_text().splitlines():
+            record = json.loads(line)
+            by_prompt[record.pop("prompt_hash")] = record
+    out = engine_trace.with_name(engine_trace.name.replace("engines-", "requests-", 1))
+    with out.open("w") as f:
+        for spec, result in zip(specs, results, strict=True):
+            key = hash(tuple(tokenizer.chat_ids(spec.messages)))  # type: ignore[attr-defined]
+            engine = by_prompt.get(key, {})
+            f.write(
+                json.dumps(
+                    {
+                        "at_s": spec.at_s,
+                        "group": spec.group,
+                        "client_ttft_s": result.ttft_s,
+                        "lateness_s": result.lateness_s,
+                        "cached_reported": result.cached_tokens,
+                        **engine,
+                    }
+                )
+                + "\n"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replicas", type=int, default=8)
@@ -81,11 +109,31 @@ def main() -> None:
     ap.add_argument("--repetitions", type=int, default=1)
     ap.add_argument("--suffix", default="", help="results file suffix")
     ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="a policy to compare by name in --policies, as its base policy (NAME up to "
+        'a "+") with more router.routing keys: --variant \'kv-aware+p={"pending_ttl_s": 1}\'',
+    )
+    ap.add_argument(
+        "--trace",
+        default="",
+        help="a directory: one JSON line per request and cell (client TTFT, the replica, "
+        "its cached tokens and what the replica was doing when the request arrived)",
+    )
+    ap.add_argument(
         "--routing",
         default="{}",
         help='other router.routing keys, JSON: {"tokens_per_request": 128}',
     )
     args = ap.parse_args()
+    args.variants = {}
+    for item in args.variant:
+        name, sep, keys = item.partition("=")
+        if not sep or "+" not in name:
+            ap.error(f"--variant {item!r}: expected NAME+LABEL=JSON")
+        args.variants[name] = json.loads(keys)
     rows = []
     policies = args.policies.split(",")
     cells = [
@@ -116,11 +164,17 @@ def run_cell(
     policy: str,
     oracles: dict[tuple[str, int], float],
 ) -> dict:
+    engine_trace = None
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        engine_trace = Path(args.trace) / f"engines-{workload}-{rep + 1}-{policy}.jsonl"
+        engine_trace.unlink(missing_ok=True)
     with sim_stack(
         args.replicas,
-        policy=policy,
-        routing=json.loads(args.routing),
+        policy=policy.partition("+")[0],
+        routing=json.loads(args.routing) | args.variants.get(policy, {}),
         time_scale=args.time_scale,
+        sim_args=["--request-trace", str(engine_trace)] if engine_trace else None,
     ) as stack:
         specs = build(
             workload,
@@ -141,6 +195,8 @@ def run_cell(
         )
         summary = summarize(results, SLO(ttft_s=0.5, tpot_s=0.05))
         shares = replica_shares(stack.replica_urls)
+        if engine_trace is not None:
+            write_trace(engine_trace, specs, results, stack._tokenizer)
     row = {
         "workload": workload,
         "repetition": rep + 1,

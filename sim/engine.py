@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -52,6 +53,9 @@ class SimConfig:
     time_scale: float = 1.0
     kv_events: KVEventsConfig | None = None
     default_max_tokens: int = 16
+    # A file to append one JSON line per finished request to (--request-trace): what the
+    # replica was doing when the request arrived, and its timeline; "" for none.
+    request_trace: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,8 @@ class SimEngine:
         self._t0 = time.monotonic()
         self.steps = 0
         self.busy_s = 0.0
+        # Request id -> what the replica was doing when it arrived (--request-trace only).
+        self._arrived: dict[str, dict[str, object]] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -141,6 +147,8 @@ class SimEngine:
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
             kv_usage=self.kv.usage,
+            # As the engine agent reports a real vLLM's (num_gpu_blocks x block_size).
+            kv_capacity_tokens=self.kv.num_blocks * self.kv.block_size,
         )
 
     def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0) -> SimRequest:
@@ -160,10 +168,38 @@ class SimEngine:
         req = SimRequest(
             f"sim-{next(self._ids)}", list(prompt_ids), max_tokens, self.now(), priority=priority
         )
+        if self.config.request_trace:
+            self._arrived[req.request_id] = self._state_at_arrival()
         self.scheduler.add(req)
         self._streams[req.request_id] = asyncio.Queue()
         self._wake.set()
         return req
+
+    def _state_at_arrival(self) -> dict[str, object]:
+        sched = self.scheduler
+        queued = list(sched.running) + list(sched.waiting)
+        return {
+            "wall_s": time.time(),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            # Prompt tokens not yet computed by the requests ahead (an upper bound for the
+            # waiting ones: their cached prefix is found when they are scheduled).
+            "prefill_ahead": sum(max(len(r.prompt_ids) - r.num_computed, 0) for r in queued),
+        }
+
+    def _trace(self, req: SimRequest) -> None:
+        record = {
+            "replica": self.config.kv_events.topic if self.config.kv_events else "",
+            "prompt": len(req.prompt_ids),
+            "prompt_hash": hash(tuple(req.prompt_ids)),
+            "cached": req.cached_tokens,
+            "queue_s": max(req.scheduled_s - req.arrival_s, 0.0),
+            "ttft_s": req.first_token_s - req.arrival_s if req.first_token_s >= 0 else -1.0,
+            "preemptions": req.preemptions,
+            **self._arrived.pop(req.request_id, {}),
+        }
+        with open(self.config.request_trace, "a") as out:
+            out.write(json.dumps(record) + "\n")
 
     async def stream(self, req: SimRequest) -> AsyncIterator[TokenOut]:
         """The request's tokens as steps produce them; aborts the request if abandoned."""
@@ -182,6 +218,8 @@ class SimEngine:
                 self.scheduler.abort(req)
                 req.finished_s = self.now()
                 self.metrics.observe_finished(req)
+                if self.config.request_trace:
+                    self._trace(req)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.kv.reset()
@@ -245,6 +283,8 @@ class SimEngine:
                 )
             if finished:
                 self.metrics.observe_finished(req)
+                if self.config.request_trace:
+                    self._trace(req)
         m = self.metrics
         m.prompt_tokens.inc(prompt_tokens)
         m.generation_tokens.inc(decoded)

@@ -52,7 +52,10 @@ KV_TOPIC = "kv-events"
 
 
 def _bound_socket(host: str) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on connections of a socket whose
+    # proto says TCP, and without it each SSE chunk that follows an unacknowledged one
+    # waits out the client's delayed ACK (~40 ms), which a real vLLM (uvloop) never does.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     sock.listen(1024)

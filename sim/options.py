@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=None)
     parser.add_argument("--decode-ms-per-token", type=float, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--request-trace", default="", help="append one JSON line per finished request here"
+    )
 
 
 def kv_events_config(text: str) -> KVEventsConfig | None:
@@ -139,4 +142,5 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
         kv_events=kv_events_config(args.kv_events_config),
         default_max_tokens=args.default_max_tokens,
+        request_trace=args.request_trace,
     )

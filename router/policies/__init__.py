@@ -23,7 +23,11 @@ def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Pol
         [
             Weighted(
                 NewPrefill(
-                    config.overload_abs, config.overload_rel, config.max_share, config.share_factor
+                    config.overload_abs,
+                    config.overload_rel,
+                    config.max_share,
+                    config.share_factor,
+                    config.min_prefix_tokens,
                 ),
                 1.0,
             ),

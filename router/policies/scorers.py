@@ -6,7 +6,10 @@
   fleet of n >= 3, a replica that took more than min(`max_share`, `share_factor` / n) of
   the model's recent requests loses its bonus, so one shared prompt spreads even at low
   concurrency, where no queue ever forms and the overload gate never fires; the limit
-  scales with the fleet (3 to 20 replicas: 40%; 64: 12.5%, 8x the fair share).
+  scales with the fleet (3 to 20 replicas: 40%; 64: 12.5%, 8x the fair share). A match
+  shorter than `min_prefix_tokens` earns no bonus either: one block of a template header
+  that every prompt shares would otherwise draw each new customer's full prefill to the
+  replicas already holding customers, whose own hits then wait behind it.
 - Load: requests on the replica (routed and unreleased + the engine's waiting queue), in
   the token-equivalent `tokens_per_request`: Dynamo's decode-load term.
 - KvPressure: the prompt's new tokens times the replica's KV fill: the largest of what the
@@ -38,11 +41,13 @@ class NewPrefill:
         overload_rel: float = 1.5,
         max_share: float = 0.4,
         share_factor: float = 8.0,
+        min_prefix_tokens: int = 0,
     ) -> None:
         self.overload_abs = overload_abs
         self.overload_rel = overload_rel
         self.max_share = max_share
         self.share_factor = share_factor
+        self.min_prefix_tokens = min_prefix_tokens
 
     def share_limit(self, n: int) -> float | None:
         """The share of recent requests past which a replica of n loses its cache bonus;
@@ -74,7 +79,8 @@ class NewPrefill:
             return self._bonus_few(ctx, cached, prompt)
         rows = np.asarray(cached.rows, np.intp)
         held = np.minimum(np.asarray(cached.tokens, np.int64), prompt)
-        return Sparse(float(prompt), rows, -np.where(self.overloaded(ctx, rows), 0, held))
+        no_bonus = self.overloaded(ctx, rows) | (held < self.min_prefix_tokens)
+        return Sparse(float(prompt), rows, -np.where(no_bonus, 0, held))
 
     FEW_ROWS = FEW_ROWS
 
@@ -88,7 +94,10 @@ class NewPrefill:
         prior, total = self.SHARE_PRIOR / n, table.share_total + self.SHARE_PRIOR
         rows: list[int] = []
         delta: list[float] = []
+        shortest = self.min_prefix_tokens
         for row, held in zip(cached.rows, cached.tokens, strict=True):
+            if held < shortest:
+                continue
             mine = float(load[row])
             if mine > busy and mine > busy_rel:
                 continue

@@ -281,6 +281,30 @@ def test_a_prompt_is_pending_on_its_replica_until_the_engine_stores_it():
     assert fleet.decider.index.match(prompt_block_hashes(doc, BS)) == {}
 
 
+@pytest.mark.parametrize("capacity", [448_000, 0], ids=["capacity-known", "capacity-unknown"])
+def test_new_customers_go_to_empty_replicas_not_behind_a_shared_header(capacity):
+    # Every customer's prompt starts with the same template header (one block): the
+    # replicas holding a customer match that block. A new customer's full prefill must not
+    # go to one whose customer's next requests would wait behind it for a one-block bonus
+    # (min_prefix_tokens): before, all eight went to the first replica. With the engines'
+    # KV capacity known, KV pressure sends each to an empty one; without, equally cold
+    # replicas share them at random.
+    fleet = Fleet(n=16, max_share=1.0)
+    for rid in fleet.ids:
+        fleet.registry.heartbeat(rid, p.ReplicaLoad(kv_capacity_tokens=capacity), 0.0)
+    header = [5] * BS
+    placed: Counter[str] = Counter()
+    for customer in range(8):
+        fleet.clock += 1.0  # the Decider refreshes what each replica holds at most every 50 ms
+        rid = fleet.route(header + prompt(0, 3000, customer))
+        fleet.release(rid)
+        placed[rid] += 1
+        fleet.clock += 1.0
+        assert fleet.route(header + prompt(0, 3000, customer) + [1] * 32) == rid  # a hit
+        fleet.release(rid)
+    assert max(placed.values()) == 1 if capacity else max(placed.values()) <= 2, placed
+
+
 def test_approximate_mode_remembers_routed_prefixes_with_a_ttl():
     fleet = Fleet(events=False, approx_ttl_s=30.0)
     doc = prompt(0, 2048, "doc")

@@ -141,16 +141,16 @@ def test_routed_and_cached_prompt_tokens_are_counters_and_follow_the_replicas() 
     reg.on_remove.append(decider.replica_removed)
     for rid in ("r0", "r1", "r2"):
         reg.register(p.Register(rid, "m", "u", block_size=16), 0.0)
-    tokens = list(range(64))
-    index.apply("r1", [kw.BlockStored([b"a", b"b"], None, tokens[:32], 16)])
+    tokens = list(range(128))
+    index.apply("r1", [kw.BlockStored([b"a", b"b", b"c", b"d"], None, tokens[:64], 16)])
     hashes = prompt_block_hashes(tokens, 16)
-    msg = p.Route(1, "m", block_hashes=hashes, block_size=16, prompt_tokens=64)
+    msg = p.Route(1, "m", block_hashes=hashes, block_size=16, prompt_tokens=128)
     table = reg.table("m")
     cached = decider.cached_tokens(decider.request_of(msg, "m"), table)
-    assert cached is not None and cached.at(reg.get("r1").row) == 32
+    assert cached is not None and cached.at(reg.get("r1").row) == 64
     assert decider.pick(msg, 0.0).replica_id == "r1"
     counters = ("hpcserve_router_prompt_tokens_total", "hpcserve_router_cached_prompt_tokens_total")
-    assert [prom.get_sample_value(c, {"model": "m"}) for c in counters] == [64.0, 32.0]
+    assert [prom.get_sample_value(c, {"model": "m"}) for c in counters] == [128.0, 64.0]
     # A replica that leaves takes its slot's blocks along; one registering anew starts cold.
     reg.deregister("r1", "test")
     assert decider.cached_tokens(decider.request_of(msg, "m"), table) is None
