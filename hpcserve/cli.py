@@ -80,9 +80,10 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
     if args.check:
         print(f"config {_config_path(args.config)} is valid")
         for pool in cfg.pools:
+            size = f"{pool.replicas}..{pool.max_replicas}" if pool.max_replicas else pool.replicas
             print(
-                f"pool {pool.name}: model {pool.model} from {pool.model_path}, "
-                f"{pool.replicas} replica(s) x {pool.nodes_per_replica} node(s) x "
+                f"pool {pool.name} ({pool.role}): model {pool.model} from {pool.model_path}, "
+                f"{size} replica(s) x {pool.nodes_per_replica} node(s) x "
                 f"{pool.gpus_per_replica} GPU(s), "
                 f"TP={pool.tensor_parallel} PP={pool.pipeline_parallel}, engine {pool.engine}"
             )

@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
-from hpcserve.config import PlatformConfig
+from hpcserve.config import PlatformConfig, PoolConfig
 from hpcserve.poolmgr.identity import parse_comment
-from hpcserve.poolmgr.state_files import read_status
+from hpcserve.poolmgr.state_files import PoolStatus, read_status
 from hpcserve.router.client import RouterQueryError, list_replicas
 
 
@@ -92,30 +92,49 @@ def collect_status(config: PlatformConfig) -> dict[str, Any]:
     if report is None:
         status["errors"].append("pool manager: no status report yet (is it running?)")
     for pool in config.pools:
-        row: dict[str, Any] = {
-            "pool": pool.name,
-            "model": pool.model,
-            "desired": pool.replicas,
-            "jobs": sum(1 for j in status["jobs"] if j["pool"] == pool.name),
-            "serving": sum(1 for r in status["replicas"] if r["pool"] == pool.name),
-        }
-        if pool.name in reported:
-            seen = msgspec.structs.asdict(reported[pool.name])
-            row |= {
-                k: seen[k]
-                for k in (
-                    "desired",
-                    "admin",
-                    "draining",
-                    "retiring",
-                    "failures",
-                    "last_failure",
-                    "next_submit_in_s",
-                    "pending",
-                )
-            }
-        status["pools"].append(row)
+        status["pools"].append(
+            pool_row(pool, status["jobs"], status["replicas"], reported.get(pool.name))
+        )
     return status
+
+
+def pool_row(
+    pool: PoolConfig,
+    jobs: list[dict[str, Any]],
+    replicas: list[dict[str, Any]],
+    reported: PoolStatus | None,
+) -> dict[str, Any]:
+    """One pool's line: the config, what Slurm and the router show, the pool manager's report."""
+    row: dict[str, Any] = {
+        "pool": pool.name,
+        "model": pool.model,
+        "role": pool.role,
+        "desired": pool.replicas,
+        "jobs": sum(1 for j in jobs if j["pool"] == pool.name),
+        "serving": sum(1 for r in replicas if r["pool"] == pool.name),
+    }
+    if reported is not None:
+        seen = msgspec.structs.asdict(reported)
+        row |= {
+            k: seen[k]
+            for k in (
+                "desired",
+                "admin",
+                "draining",
+                "retiring",
+                "failures",
+                "last_failure",
+                "next_submit_in_s",
+                "pending",
+                "backlog",
+            )
+        }
+    if pool.max_replicas:
+        backlog = row.get("backlog")
+        row["elastic"] = f"{pool.replicas}..{pool.max_replicas}" + (
+            f", backlog {backlog}" if backlog is not None else ""
+        )
+    return row
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
@@ -129,10 +148,12 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
 
 
 def format_status(status: dict[str, Any]) -> str:
+    elastic = ["elastic"] if any("elastic" in row for row in status["pools"]) else []
     lines = _table(
         status["pools"],
-        ["pool", "model", "desired", "jobs", "serving", "admin", "failures", "last_failure"],
-    )
+        ["pool", "model", "role", "desired", "jobs", "serving", "admin", *elastic, "failures",
+         "last_failure"],
+    )  # fmt: skip
     if status["jobs"]:
         lines += [
             "",

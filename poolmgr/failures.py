@@ -2,9 +2,10 @@
 
 A job of a pool that ends in a failure state (FAILED, NODE_FAIL, OUT_OF_MEMORY, BOOT_FAIL,
 TIMEOUT, DEADLINE) counts one failure against the pool; the reason keeps Slurm's own words.
-A job cancelled by anyone, or one that completes (a drained replica), is no failure. A
-replica that has served for `healthy_after_s` clears its pool's count: the pool works again.
-The count drives the submission backoff in reconcile.py.
+A job cancelled by anyone, preempted by Slurm (a batch job whose GPUs an interactive one
+took), or one that completes (a drained replica), is no failure. A replica that has served
+for `healthy_after_s` clears its pool's count: the pool works again. The count drives the
+submission backoff in reconcile.py.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from hpcserve.config import ConfigError, PlatformConfig, PoolConfig, load_config
 from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.modelcache.registry import RegistryError
+from hpcserve.poolmgr.batch_pools import BatchPools, is_elastic
 from hpcserve.poolmgr.failures import FailureTracker
 from hpcserve.poolmgr.identity import JobIdentity
 from hpcserve.poolmgr.observe import Observation, observe
@@ -42,7 +43,13 @@ from hpcserve.poolmgr.registry_usage import RegistryUsage
 from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
 from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
-from hpcserve.poolmgr.spec import build_job_spec, job_log_dir, pool_spec_digest, resolve_model
+from hpcserve.poolmgr.spec import (
+    build_job_spec,
+    job_log_dir,
+    job_partition,
+    pool_spec_digest,
+    resolve_model,
+)
 from hpcserve.poolmgr.state_files import PoolMgrStatus, PoolStatus, read_overrides, write_status
 from hpcserve.router.client import RouterQueryError, list_replicas
 from hpcserve.router.protocol import ReplicaInfo
@@ -103,6 +110,7 @@ class PoolManager:
         registry = metrics_registry or CollectorRegistry()
         self.metrics = PoolMgrMetrics(registry)
         self.node_health = NodeHealthActions(slurm, registry)
+        self.batch_pools = BatchPools(registry)
         self._clock = clock
         self._stop = threading.Event()
         self._reload = threading.Event()
@@ -214,7 +222,10 @@ class PoolManager:
             return None
         now = self._clock()
         observation = self._retire_stranded_pins(observation, now)
-        desired = self.desired()
+        desired = self.batch_pools.resize(
+            self.config, self.desired(), observation.jobs, self.memory.draining_since,
+            self._nodes, now,
+        )  # fmt: skip
         for name, want in desired.items():
             self.metrics.desired.labels(name).set(want)
         plan = reconcile(
@@ -307,6 +318,8 @@ class PoolManager:
                 pending=pending, failures=self.failures.failures.get(pool.name, 0),
                 last_failure=self.failures.last_failure.get(pool.name, ""),
                 next_submit_in_s=round(max(next_at - now, 0), 1) if next_at else None,
+                role=pool.role, max_replicas=pool.max_replicas,
+                backlog=self.batch_pools.pool_backlog.get(pool.name) if is_elastic(pool) else None,
             ))  # fmt: skip
         status = PoolMgrStatus(updated_at=now, pools=pools, unmanaged_pools=plan.unmanaged_pools)
         try:
@@ -332,7 +345,7 @@ class PoolManager:
             jobs=count,
             gpus_per_job=pool.gpus_per_replica,
             nodes_per_job=pool.nodes_per_replica,
-            partition=self.config.slurm.partition,
+            partition=job_partition(self.config, pool),
             sbatch_args=[*self.config.slurm.extra_args, *pool.sbatch_args],
             avoid=self.pin_watch.avoided(now),
         )

@@ -108,6 +108,21 @@ def _room(node: SlurmNode, gpus_per_job: int) -> int:
     return max(min(free_gpus(node) // gpus_per_job, cpus), 0)
 
 
+def free_room(
+    nodes: Sequence[SlurmNode], *, gpus_per_job: int, nodes_per_job: int = 1, partition: str = ""
+) -> int:
+    """How many more jobs of this shape fit on the nodes' free GPUs and CPUs now (up, not
+    drained, in the partition); a job across several nodes needs that many nodes with room."""
+    fits = [
+        _room(n, gpus_per_job)
+        for n in nodes
+        if not (n.drained or n.down) and (not partition or partition in n.partitions)
+    ]
+    if nodes_per_job > 1:
+        return sum(1 for f in fits if f > 0) // nodes_per_job
+    return sum(fits)
+
+
 def job_pins(
     inventory: CacheInventory,
     cache_key: str,

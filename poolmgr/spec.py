@@ -33,17 +33,28 @@ def job_log_dir(config: PlatformConfig) -> Path:
 def pool_spec_digest(config: PlatformConfig, pool: PoolConfig) -> str:
     """8 hex digits that change when anything shaping a replica of the pool changes.
 
-    The replica count is left out: scaling a pool must not replace its replicas. Settings
-    at their defaults are left out too, so a release that adds a setting (with a default
-    that keeps today's behaviour) does not replace every running replica.
+    The replica count and the elastic sizing keys are left out: scaling a pool must not
+    replace its replicas. Settings at their defaults are left out too, so a release that adds
+    a setting (with a default that keeps today's behaviour) does not replace every running
+    replica.
     """
+    fields = _set_fields(msgspec.structs.replace(pool, replicas=0))
+    for sizing in ("max_replicas", "backlog_per_replica", "scale_down_after_s"):
+        fields.pop(sizing, None)
     shape = (
-        _set_fields(msgspec.structs.replace(pool, replicas=0)),
-        config.slurm.partition, config.slurm.account, config.slurm.qos,
+        fields,
+        job_partition(config, pool), config.slurm.account, config.slurm.qos,
         config.slurm.time_limit_min, config.slurm.drain_s, config.slurm.extra_args,
         _set_fields(config.engine), config.router.engines_dial(),
     )  # fmt: skip
     return hashlib.sha256(msgspec.json.encode(shape)).hexdigest()[:8]
+
+
+def job_partition(config: PlatformConfig, pool: PoolConfig) -> str:
+    """The partition a pool's jobs go to: slurm.batch_partition for a batch pool, if set."""
+    if pool.role == "batch" and config.slurm.batch_partition:
+        return config.slurm.batch_partition
+    return config.slurm.partition
 
 
 def _set_fields(struct: msgspec.Struct) -> dict[str, Any]:
@@ -170,7 +181,7 @@ def build_job_spec(
         cache_dir=config.engine.cache_dir if model.manifest else "",
         manifest=model.manifest,
         model_ref=model.model_ref,
-        partition=config.slurm.partition,
+        partition=job_partition(config, pool),
         account=config.slurm.account,
         qos=config.slurm.qos,
         output=str(job_log_dir(config) / "%x-%j.out"),

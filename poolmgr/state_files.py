@@ -29,6 +29,9 @@ class PoolStatus(msgspec.Struct, frozen=True):
     failures: int = 0
     last_failure: str = ""
     next_submit_in_s: float | None = None
+    role: str = "interactive"
+    max_replicas: int = 0  # an elastic batch pool's ceiling; 0: a fixed size
+    backlog: int | None = None  # an elastic batch pool's Batch API backlog (requests)
 
 
 class PoolMgrStatus(msgspec.Struct, frozen=True):

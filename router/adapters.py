@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcserve.router import protocol as p
+from hpcserve.router.policies.pool_roles import role_replicas
 from hpcserve.router.registry import Replica
 from hpcserve.router.registry_catalog import RegistryCatalog
 
@@ -177,15 +178,32 @@ class AdapterRouter:
             model in s.loaded for s in self._replicas.values()
         )
 
-    def route(self, adapter: str, live: Iterable[Replica]) -> AdapterDecision:
-        """Where a request for `adapter` goes, given the live replicas."""
+    def route(
+        self,
+        adapter: str,
+        live: Iterable[Replica],
+        *,
+        priority: str = "interactive",
+        lend_below: int = 0,
+    ) -> AdapterDecision:
+        """Where a request for `adapter` goes, given the live replicas. `priority` and
+        `lend_below` restrict both the holders and the load target to the replicas the
+        request's role may use (router/policies/pool_roles.py)."""
         now = self._clock()
         live_by_id = {r.replica_id: r for r in live}
         for gone in self._replicas.keys() - live_by_id.keys():
             del self._replicas[gone]
         source = self.catalog.get(adapter)
-        # A replica out of routing (unhealthy, draining) neither serves nor gets a load.
-        routable = {rid for rid, r in live_by_id.items() if r.routable}
+        # A replica out of routing (unhealthy, draining) neither serves nor gets a load, nor
+        # one of the other pool role (a batch replica for an interactive request...).
+        capable = [
+            live_by_id[rid]
+            for rid, s in self._replicas.items()
+            if rid in live_by_id
+            and live_by_id[rid].routable
+            and (adapter in s.loaded if source is None else s.serves(source))
+        ]
+        routable = {r.replica_id for r in role_replicas(capable, priority, lend_below)}
         holders = [
             live_by_id[rid]
             for rid, s in self._replicas.items()

@@ -21,9 +21,12 @@ requests can meet up to `lend_below` batch requests already running there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hpcserve.router.policies.base import RouteContext
+from hpcserve.router.registry import Replica
 
 
 def usable_rows(ctx: RouteContext) -> np.ndarray | None:
@@ -65,3 +68,18 @@ class PoolRoles:
         if usable is not None:
             interactive &= usable
         return interactive if interactive.any() else None
+
+
+def role_replicas(replicas: Sequence[Replica], priority: str, lend_below: int = 0) -> list[Replica]:
+    """The replicas (routable, of one model) a request of `priority` may use, by the rule
+    above for lists of replicas instead of table rows: where LoRA adapter placement
+    chooses (router/adapters.py) without a ReplicaTable. All of them when the model has no
+    batch pool, or when the request's own role has none."""
+    batch = [r for r in replicas if r.spec.role == "batch"]
+    if not batch:
+        return list(replicas)
+    interactive = [r for r in replicas if r.spec.role != "batch"]
+    if priority == "batch":
+        lent = [r for r in interactive if not r.load.waiting and r.queued < lend_below]
+        return batch + lent
+    return interactive or list(replicas)
