@@ -24,11 +24,29 @@ the router sends the batch to the batch pool and the probes to the interactive p
 the direct phase drives the batch pool's engines. The engines' CPU use is reported per
 pool, so a simulator that is itself the bottleneck shows.
 
+Pinning (`--batch-cpus`, `--interactive-cpus`, `--control-cpus`, CPU lists): each pool's
+engine process trees may run only on their CPUs (sched_setaffinity, inherited by every
+process vLLM starts; vLLM CPU's OMP threads bound there by VLLM_CPU_OMP_THREADS_BIND), and
+this client, the router and the gateway on the control CPUs: real CPU engines on one
+machine then do not slow each other down, as engines on their own GPUs do not. Each round
+records where every thread may run and last ran (`placement`) and stops if a pinning did
+not take.
+
+Rounds: `--rounds N` repeats everything on fresh processes (direct settings in alternating
+order) and reports medians; the engines' maximum is the best direct setting by its median
+over the rounds. `--direct-after` drives the engines directly again after the batch, so
+each setting's figure brackets the batch. Rounds run as separate invocations (to keep each
+under the heavy-run lock's ~15 minutes) combine with `--combine a.json,b.json --tag T`.
+
     .venv/bin/python bench/batch_throughput.py --requests 10000 --replicas 4
     .venv/bin/python bench/batch_throughput.py --requests 10000 --replicas 4 \
         --interactive-replicas 1 --time-scale 4
     .venv/bin/python bench/batch_throughput.py --engine vllm-cpu --replicas 1 --requests 200 \
         --prefix-words 200 --doc-words 40 --max-tokens 32
+    .venv/bin/python bench/batch_throughput.py --engine vllm-cpu --replicas 1 \
+        --interactive-replicas 1 --requests 1000 --prefix-words 200 --doc-words 40 \
+        --max-tokens 32 --direct-concurrency 32,64,128 --rounds 2 \
+        --batch-cpus 0 --interactive-cpus 1 --control-cpus 0
 
 Prints a markdown table and writes bench/results/batch_throughput-<engine>[-<tag>].json.
 """
@@ -41,6 +59,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,9 +93,13 @@ def family_prefix(family: int, words: int) -> str:
     return f"Family {family} extraction rules. " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def requests_of(args: argparse.Namespace) -> list[dict[str, Any]]:
+def requests_of(args: argparse.Namespace, phase: int = 0) -> list[dict[str, Any]]:
+    """The workload's requests; each `phase` gets other documents under the same family
+    prefixes. Phases that sent the same requests again hit their whole prompts in the
+    engines' prefix cache (1,000 of the tiny model's fit in vLLM CPU's), so every phase
+    after the first was served from cache and ran up to twice as fast."""
     prefixes = [family_prefix(f, args.prefix_words) for f in range(args.families)]
-    rng = random.Random(1234)
+    rng = random.Random(1234 + 7919 * phase)
     out = []
     for i in range(args.requests):
         document = f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(args.doc_words))
@@ -99,6 +122,71 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def parse_cpus(text: str, flag: str, allowed: set[int] | None = None) -> frozenset[int]:
+    """A CPU list as taskset and vLLM write it ("0", "2-3", "0,2-3"); "" is no pinning.
+    ValueError naming `flag` when malformed or not among the CPUs this process may use."""
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, dash, high = part.partition("-")
+        try:
+            first, last = int(low), int(high if dash else low)
+        except ValueError:
+            raise ValueError(
+                f"{flag}: {part!r} is not a CPU number or range (e.g. 0 or 2-3)"
+            ) from None
+        if first < 0 or last < first:
+            raise ValueError(f"{flag}: {part!r} is not an ascending range of CPU numbers")
+        cpus.update(range(first, last + 1))
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
+    if cpus - allowed:
+        raise ValueError(
+            f"{flag}: CPU {min(cpus - allowed)} is not one this process may use "
+            f"({cpu_list(allowed)})"
+        )
+    return frozenset(cpus)
+
+
+def cpu_list(cpus: set[int] | frozenset[int]) -> str:
+    """The inverse of parse_cpus in /proc's Cpus_allowed_list form: {0, 2, 3} -> "0,2-3"."""
+    parts, ordered = [], sorted(cpus)
+    for i, cpu in enumerate(ordered):
+        if i and cpu == ordered[i - 1] + 1:
+            parts[-1][1] = cpu
+        else:
+            parts.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants (every thread's children)."""
+    pids, seen = [pid], []
+    while pids:
+        pid = pids.pop()
+        seen.append(pid)
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                pids += [int(c) for c in (task / "children").read_text().split()]
+    return seen
+
+
+def thread_placement(pids: list[int]) -> dict[str, Any]:
+    """Where the threads of the processes `pids` may run (each distinct Cpus_allowed_list,
+    with its thread count) and where each last ran (processor: thread count), as
+    `ps -eLo pid,psr,comm` shows it."""
+    allowed: dict[str, int] = {}
+    last_ran: dict[str, int] = {}
+    for proc in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{proc}/task").iterdir():
+                status = (task / "status").read_text()
+                line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+                key = line.split(":", 1)[1].strip()
+                allowed[key] = allowed.get(key, 0) + 1
+                cpu = (task / "stat").read_text().rsplit(")", 1)[1].split()[36]
+                last_ran[cpu] = last_ran.get(cpu, 0) + 1
+    return {"cpus_allowed": allowed, "last_ran_on": last_ran}
+
+
 class Stack:
     """Router, engines and gateway as separate processes on loopback."""
 
@@ -113,6 +201,7 @@ class Stack:
         self.config_path = state / "hpcserve.toml"
         self.write_config(args.batch_concurrency[0])
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: dict[int, str] = {}  # pid: the name of its log (state/<name>.log)
         self.engines: list[subprocess.Popen[bytes]] = []
         self.interactive_engines: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
@@ -146,12 +235,57 @@ class Stack:
         return self.args.interactive_replicas > 0
 
     def _spawn(
-        self, argv: list[str], name: str, env: dict[str, str] | None = None
+        self,
+        argv: list[str],
+        name: str,
+        env: dict[str, str] | None = None,
+        cpus: frozenset[int] = frozenset(),
     ) -> subprocess.Popen[bytes]:
+        """Start a process; with `cpus`, it and every process it starts may run only there."""
         log = open(self.state / f"{name}.log", "ab")  # noqa: SIM115
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
         self.procs.append(proc)
+        self.names[proc.pid] = name
         return proc
+
+    def pool_cpus(self, role: str) -> frozenset[int]:
+        """The CPUs of the batch pool's engines (or the one shared pool's), or the
+        interactive pool's."""
+        batch = role == "batch" or not self.split
+        return self.args.batch_cpus if batch else self.args.interactive_cpus
+
+    def engine_env(self, role: str) -> dict[str, str]:
+        """vLLM CPU's threads: pinned to the pool's CPUs (its OMP threads bound one per
+        CPU: VLLM_CPU_OMP_THREADS_BIND), or unbound (several engines on one machine would
+        otherwise all bind to the same core)."""
+        cpus = self.pool_cpus(role)
+        if not cpus:
+            return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        return {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus),
+                "OMP_NUM_THREADS": str(len(cpus))}  # fmt: skip
+
+    def placement(self) -> dict[str, Any]:
+        """Where the engines' process trees (per pool) and the control plane (this process,
+        router, gateway) may run and last ran; ValueError when a pinning did not take."""
+        assert self.gateway is not None
+        control = [os.getpid(), *process_tree(self.procs[0].pid), *process_tree(self.gateway.pid)]
+        placement = {
+            "control": [thread_placement(control)],
+            "batch": [thread_placement(process_tree(proc.pid)) for proc in self.engines],
+            "interactive": [
+                thread_placement(process_tree(proc.pid)) for proc in self.interactive_engines
+            ],
+        }
+        for role, cpus in (
+            ("control", self.args.control_cpus),
+            ("batch", self.args.batch_cpus),
+            ("interactive", self.args.interactive_cpus),
+        ):
+            wrong = {a for tree in placement[role] for a in tree["cpus_allowed"]} - {cpu_list(cpus)}
+            if cpus and wrong:
+                raise ValueError(f"{role} threads may run on {sorted(wrong)}, not {cpu_list(cpus)}")
+        return placement
 
     def start(self) -> None:
         hpcserve = [sys.executable, "-m", "hpcserve.cli"]
@@ -173,6 +307,7 @@ class Stack:
                      "--default-max-tokens", str(args.max_tokens),
                      "--scheduling-policy", args.scheduling_policy],
                     f"fleet-{role}",
+                    cpus=self.pool_cpus(role),
                 ))  # fmt: skip
         else:
             from hpcserve.tinymodels import make_tiny_model
@@ -188,13 +323,19 @@ class Stack:
                          "--", "--dtype", "float32", "--max-model-len", "2048",
                          "--scheduling-policy", args.scheduling_policy],
                         f"engine-{role}{i}",
-                        # Several CPU engines on one machine: not all pinned to core 0.
-                        env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                             "OMP_NUM_THREADS": "1"},
+                        env=self.engine_env(role),
+                        cpus=self.pool_cpus(role),
                     ))  # fmt: skip
         deadline = time.monotonic() + (60 if args.engine == "sim" else 900)
         while len(self.replicas()) < args.replicas + args.interactive_replicas:
             assert time.monotonic() < deadline, "engines did not register in time"
+            for proc in self.engines + self.interactive_engines:
+                if proc.poll() is not None:  # e.g. its port was taken
+                    log = (self.state / f"{self.names[proc.pid]}.log").read_text()
+                    raise RuntimeError(
+                        f"engine {self.names[proc.pid]} exited with code {proc.returncode} "
+                        "before registering; its log ends:\n" + "\n".join(log.splitlines()[-8:])
+                    )
             time.sleep(0.5)
         self.start_gateway()
 
@@ -225,13 +366,10 @@ class Stack:
         """CPU seconds of the (batch pool's, or interactive pool's) engine processes and
         all their descendants (vLLM's API server, engine core and worker under the engine)."""
         total = 0.0
-        pids = [proc.pid for proc in (self.interactive_engines if interactive else self.engines)]
-        while pids:
-            pid = pids.pop()
-            with contextlib.suppress(OSError):
-                total += cpu_seconds(pid)
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    pids += [int(c) for c in (task / "children").read_text().split()]
+        for proc in self.interactive_engines if interactive else self.engines:
+            for pid in process_tree(proc.pid):
+                with contextlib.suppress(OSError):
+                    total += cpu_seconds(pid)
         return total
 
     def replicas(self, role: str = "") -> list[str]:
@@ -392,6 +530,7 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
         stop = asyncio.Event()
         ttfts = asyncio.create_task(probes(stack.url, rate, stop, None))
         bounds: dict[str, list[float]] = {}  # the batch bound per replica, every 2 s
+        placement: dict[str, Any] = {}
         polls = 0
         while True:
             async with session.get(f"{stack.url}/v1/batches/{batch['id']}") as response:
@@ -405,6 +544,8 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
             limits = await batch_limits(stack.url)
             for model, limit in limits.items():
                 bounds.setdefault(model, []).append(limit)
+            if polls == 8:
+                placement = stack.placement()  # under load: where the threads ran
         wall = time.perf_counter() - started
         cpu = cpu_seconds(stack.gateway.pid) - cpu_before
         stop.set()
@@ -420,6 +561,7 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
         "gateway_cpu_s": cpu,
         "ttft": probe_ttfts,
         "bound_per_replica": bounds.get(MODEL, []),
+        "placement": placement,
     }
 
 
@@ -499,20 +641,48 @@ class Phase:
         }
 
 
-async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
-    bodies = requests_of(args)
+def warmup_requests(args: argparse.Namespace, replicas: int) -> int:
+    """How many requests to drive directly, unmeasured, before the first phase: by default
+    two of the largest direct setting's rounds on real engines, none on the simulator."""
+    if args.warmup_requests is not None:
+        return min(args.warmup_requests, args.requests)
+    if args.engine == "sim":
+        return 0
+    return min(2 * max(args.direct_concurrency) * replicas, args.requests)
+
+
+async def bench(args: argparse.Namespace, stack: Stack, round_index: int = 0) -> dict[str, Any]:
+    phases = iter(range(1, 1000))  # each phase its own documents (requests_of)
+    placement = stack.placement()
     # The engines the batch runs on: the batch pool's when there is one.
     replicas = stack.replicas("batch" if stack.split else "")
-    directs = []
-    for concurrency in args.direct_concurrency:
+    directs: list[dict[str, Any]] = []
+    # Every other round the other way round, so a machine getting busier or quieter over a
+    # round does not always favour the same setting.
+    order = args.direct_concurrency[:: -1 if (round_index + args.first_round) % 2 else 1]
+
+    async def drive(concurrency: int, after_batch: bool) -> None:
         async with Phase(stack, replicas) as phase:
-            run = await direct(replicas, bodies, concurrency)
+            run = await direct(replicas, requests_of(args, next(phases)), concurrency)
         run.update(phase.result)
         run["concurrency_per_replica"] = concurrency
+        run["after_batch"] = after_batch
         directs.append(run)
         print(
             f"direct at {concurrency}/replica: {run['tokens_per_s']:,.0f} tokens/s", file=sys.stderr
         )
+
+    warmup = warmup_requests(args, len(replicas))
+    if warmup:
+        # Fresh engines: the family prefixes cached (and any first-request costs paid) before
+        # the first measured phase, as every later phase finds them. The interactive engines
+        # too, through the gateway.
+        top = max(args.direct_concurrency)
+        await direct(replicas, requests_of(args, 0)[:warmup], top)
+        await probes(stack.url, 10 * args.probe_rate, asyncio.Event(), 10)
+        print(f"warm-up: {warmup} requests at {top}/replica, 10 probes", file=sys.stderr)
+    for concurrency in order:
+        await drive(concurrency, after_batch=False)
     direct_run = max(directs, key=lambda r: r["tokens_per_s"])
     async with Phase(stack, replicas) as idle_phase:
         idle = await probes(stack.url, args.probe_rate, asyncio.Event(), args.idle_probes)
@@ -522,7 +692,7 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
         if i:
             stack.restart_gateway(concurrency)
         async with Phase(stack, replicas) as phase:
-            batch = await run_batch(stack, bodies, args.probe_rate)
+            batch = await run_batch(stack, requests_of(args, next(phases)), args.probe_rate)
         batch.update(phase.result)
         batch["concurrency_per_replica"] = concurrency
         batch["ttft_ms"] = [round(1000 * t, 2) for t in batch["ttft"]]  # in sending order
@@ -533,7 +703,14 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             file=sys.stderr,
         )
         batches.append(batch)
+    if args.direct_after:
+        # The same settings again in reverse (A B, batch, B A): each setting's mean then
+        # brackets the batch, so a load that drifts over the round cancels out.
+        for concurrency in order[::-1]:
+            await drive(concurrency, after_batch=True)
     return {
+        "warmup_requests": warmup,
+        "placement": placement,
         "direct": direct_run,
         "directs": directs,
         "idle_ttft": summary(idle),
@@ -541,6 +718,156 @@ async def bench(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
         "idle_phase": idle_phase.result,
         "batches": batches,
     }
+
+
+def round_directs(round_: dict[str, Any]) -> dict[int, float]:
+    """One round's direct tokens/s per setting: the mean of its runs (before and, with
+    --direct-after, after the batch)."""
+    runs: dict[int, list[float]] = {}
+    for run in round_["directs"]:
+        runs.setdefault(run["concurrency_per_replica"], []).append(run["tokens_per_s"])
+    return {c: statistics.fmean(tps) for c, tps in runs.items()}
+
+
+def summarize_rounds(rounds: list[dict[str, Any]], batch_settings: list[str]) -> dict[str, Any]:
+    """Medians over rounds. The engines' maximum is the best direct setting by its median over
+    the rounds (each setting measured in every round, in alternating order), not the median
+    of each round's best, which favours whichever setting the noise favoured in a round.
+    Beside it, each round's batch against that round's own best direct, and their median."""
+    med = statistics.median
+    per_round = [round_directs(r) for r in rounds]
+    settings = sorted({c for directs in per_round for c in directs})
+    by_setting = {c: med([d[c] for d in per_round if c in d]) for c in settings}
+    best = max(settings, key=lambda c: by_setting[c])
+    maximum = by_setting[best]
+    idle_p90 = med([r["idle_ttft"]["p90_ms"] for r in rounds])
+
+    def engine_ttft(phases: list[dict[str, Any]]) -> float | None:
+        values = [p.get("interactive_engine_ttft_mean_ms") for p in phases]
+        return med(values) if None not in values else None
+
+    batches = []
+    for i, concurrency in enumerate(batch_settings):
+        runs = [r["batches"][i] for r in rounds]
+        tps = med([b["tokens_per_s"] for b in runs])
+        p90 = med([b["ttft"]["p90_ms"] for b in runs])
+        pairs = list(zip(runs, rounds, strict=True))
+        batches.append({
+            "concurrency_per_replica": concurrency,
+            "batch_tokens_per_s": tps,
+            "share_of_direct": tps / maximum,
+            "share_of_round_best_each": [
+                b["tokens_per_s"] / max(round_directs(r).values()) for b, r in pairs
+            ],
+            "ttft_p50_ms": med([b["ttft"]["p50_ms"] for b in runs]),
+            "ttft_p90_ms": p90,
+            "ttft_p90_vs_idle": p90 / idle_p90 - 1,
+            "ttft_p90_vs_idle_each": [
+                b["ttft"]["p90_ms"] / r["idle_ttft"]["p90_ms"] - 1 for b, r in pairs
+            ],
+            "interactive_engine_ttft_mean_ms": engine_ttft(runs),
+            "gateway_cpu_s": med([b["gateway_cpu_s"] for b in runs]),
+            "engine_cpu_util": med([b["engine_cpu_util"] for b in runs]),
+            "interactive_engine_cpu_util": med([b["interactive_engine_cpu_util"] for b in runs]),
+            # the bound per replica the batch ran at: median and last (adaptive: adapted)
+            "bound_median": med([med(b["bound_per_replica"] or [0]) for b in runs]),
+            "bound_last": med([(b["bound_per_replica"] or [0])[-1] for b in runs]),
+            "completed": [b["request_counts"]["completed"] for b in runs],
+        })  # fmt: skip
+        row = batches[-1]
+        row["share_of_round_best"] = med(row["share_of_round_best_each"])
+        row["ttft_p90_vs_idle_median_of_rounds"] = med(row["ttft_p90_vs_idle_each"])
+    return {
+        "rounds": len(rounds),
+        "direct_by_setting": by_setting,
+        "direct_best_setting": best,
+        "direct_tokens_per_s": maximum,
+        "direct_round_best_median": med([max(d.values()) for d in per_round]),
+        "direct_engine_cpu_util": med(
+            [
+                run["engine_cpu_util"]
+                for r in rounds
+                for run in r["directs"]
+                if run["concurrency_per_replica"] == best
+            ]
+        ),
+        "idle_ttft_p50_ms": med([r["idle_ttft"]["p50_ms"] for r in rounds]),
+        "idle_ttft_p90_ms": idle_p90,
+        "idle_interactive_engine_ttft_mean_ms": engine_ttft(
+            [r.get("idle_phase", {}) for r in rounds]
+        ),
+        "batches": batches,
+    }
+
+
+# What must agree between results files before their rounds are combined.
+SAME_WORKLOAD = ("engine", "replicas", "interactive_replicas", "requests", "families",
+                 "prefix_words", "doc_words", "max_tokens", "time_scale", "sim_gpu", "sim_model",
+                 "max_num_seqs", "batch_concurrency", "scheduling_policy", "probe_rate",
+                 "batch_cpus", "interactive_cpus", "control_cpus")  # fmt: skip
+
+
+def combine(paths: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The rounds of several results files of the same workload (separate invocations, to
+    keep each under the heavy-run lock's ~15 minutes), and the first file's args. ValueError
+    naming the file and the setting that differs."""
+    first: dict[str, Any] | None = None
+    rounds: list[dict[str, Any]] = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        args = data["args"]
+        if first is None:
+            first = args
+        for key in SAME_WORKLOAD:
+            # (a key older files lack is the same as its empty default)
+            if (args.get(key) or None) != (first.get(key) or None):
+                raise ValueError(
+                    f"{path}: {key} is {args.get(key)!r}, not {first.get(key)!r} as in {paths[0]}"
+                )
+        rounds += data["rounds"]
+    if first is None:
+        raise ValueError("--combine: no results files given")
+    return first, rounds
+
+
+def print_tables(rounds: list[dict[str, Any]], median: dict[str, Any]) -> None:
+    print("| direct concurrency per replica | tokens/s per round | median "
+          "| batch engines' CPU (cores) |\n|---|---|---|---|")  # fmt: skip
+    for c, tps in median["direct_by_setting"].items():
+        runs = [run for r in rounds for run in r["directs"] if run["concurrency_per_replica"] == c]
+        each = ", ".join(
+            f"{run['tokens_per_s']:,.0f}" + (" (after)" if run.get("after_batch") else "")
+            for run in runs
+        )
+        cpu = statistics.median(run["engine_cpu_util"] for run in runs)
+        print(f"| {c} | {each} | {tps:,.0f} | {cpu:.2f} |")
+    engine_idle = median["idle_interactive_engine_ttft_mean_ms"]
+    print(
+        f"\ndirect (the engines' maximum, at {median['direct_best_setting']}/replica, median of "
+        f"{median['rounds']} rounds): {median['direct_tokens_per_s']:,.0f} tokens/s; "
+        f"interactive TTFT idle: p50 {median['idle_ttft_p50_ms']:.1f} ms, "
+        f"p90 {median['idle_ttft_p90_ms']:.1f} ms"
+        + (f", the interactive engine's own {engine_idle:.1f} ms (mean)" if engine_idle else "")
+        + "\n"
+    )
+    print("| batch concurrency per replica | bound (median, last) | batch tokens/s | of direct "
+          "(per round) | TTFT p50 | TTFT p90 | p90 vs idle (per round) | interactive engine's "
+          "TTFT | gateway CPU | engines' CPU (batch, interactive) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in median["batches"]:
+        shares = ", ".join(f"{x:.1%}" for x in row["share_of_round_best_each"])
+        p90s = ", ".join(f"{x:+.0%}" for x in row["ttft_p90_vs_idle_each"])
+        engine = row["interactive_engine_ttft_mean_ms"]
+        print(
+            f"| {row['concurrency_per_replica']} "
+            f"| {row['bound_median']:.0f}, {row['bound_last']:.0f} "
+            f"| {row['batch_tokens_per_s']:,.0f} "
+            f"| {row['share_of_direct']:.1%} ({shares}) | {row['ttft_p50_ms']:.1f} ms "
+            f"| {row['ttft_p90_ms']:.1f} ms | {row['ttft_p90_vs_idle']:+.0%} ({p90s}) "
+            f"| {f'{engine:.1f} ms' if engine else '-'} "
+            f"| {row['gateway_cpu_s']:.1f} s "
+            f"| {row['engine_cpu_util']:.2f}, {row['interactive_engine_cpu_util']:.2f} |"
+        )
 
 
 def main() -> None:
@@ -577,6 +904,20 @@ def main() -> None:
         help="per replica; a comma list runs the direct phase per value, the best is the maximum",
     )
     parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        help="requests driven directly, unmeasured, before the first phase of each round "
+        "(and 10 interactive probes); default: 2 x the largest direct setting x replicas on "
+        "vllm-cpu, 0 on sim",
+    )
+    parser.add_argument(
+        "--direct-after",
+        action="store_true",
+        help="drive the engines directly again after the batch (settings in reverse order); "
+        "each setting's tokens/s is then the mean of its runs before and after the batch",
+    )
+    parser.add_argument(
         "--batch-concurrency",
         type=lambda text: text.split(","),
         default=["adaptive"],
@@ -592,53 +933,76 @@ def main() -> None:
     parser.add_argument("--probe-rate", type=float, default=2.0, help="interactive req/s")
     parser.add_argument("--idle-probes", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--first-round",
+        type=int,
+        default=0,
+        help="this invocation's first round's number (odd: direct settings in reverse order), "
+        "when rounds run as separate invocations to be --combine'd",
+    )
+    for role, where in (
+        ("batch", "the batch pool's engine process trees (or the shared pool's)"),
+        ("interactive", "the interactive pool's engine process trees"),
+        ("control", "this benchmark's client, the router and the gateway"),
+    ):
+        parser.add_argument(
+            f"--{role}-cpus",
+            default="",
+            help=f"CPU list ('0', '2-3') {where} may run on (sched_setaffinity; vLLM CPU's OMP "
+            "threads bound to them: VLLM_CPU_OMP_THREADS_BIND); default: anywhere",
+        )
+    parser.add_argument(
+        "--combine",
+        type=lambda text: [Path(x) for x in text.split(",")],
+        default=[],
+        help="run nothing: combine these results files' rounds (same workload) into one "
+        "results file (--tag) with medians over all of them",
+    )
     parser.add_argument("--tag", default="", help="results file suffix: ...-<engine>-<tag>.json")
     args = parser.parse_args()
-    rounds = []
-    for _ in range(args.rounds):
-        with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
-            stack = Stack(args, Path(tmp))
+    # Stopped (SIGTERM, or SIGINT where a background shell ignores it): stop the stack too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.combine:
+        try:
+            run_args, rounds = combine(args.combine)
+        except (OSError, ValueError, KeyError) as err:
+            parser.error(str(err))
+        run_args = {**run_args, "combine": [str(p) for p in args.combine], "tag": args.tag}
+        engine = run_args["engine"]
+    else:
+        for role in ("batch", "interactive", "control"):
             try:
-                stack.start()
-                rounds.append(asyncio.run(bench(args, stack)))
-            finally:
-                stack.stop()
-
-    def med(values: list[float]) -> float:
-        return statistics.median(values)
-
-    direct_tps = med([r["direct"]["tokens_per_s"] for r in rounds])
-    idle_p50 = med([r["idle_ttft"]["p50_ms"] for r in rounds])
-    idle_p90 = med([r["idle_ttft"]["p90_ms"] for r in rounds])
-    table = []
-    for i, concurrency in enumerate(args.batch_concurrency):
-        runs = [r["batches"][i] for r in rounds]
-        tps = med([b["tokens_per_s"] for b in runs])
-        p50 = med([b["ttft"]["p50_ms"] for b in runs])
-        p90 = med([b["ttft"]["p90_ms"] for b in runs])
-        table.append(
-            {
-                "concurrency_per_replica": concurrency,
-                "batch_tokens_per_s": tps,
-                "share_of_direct": tps / direct_tps,
-                "ttft_p50_ms": p50,
-                "ttft_p90_ms": p90,
-                "ttft_p90_vs_idle": p90 / idle_p90 - 1,
-                "gateway_cpu_s": med([b["gateway_cpu_s"] for b in runs]),
-                "engine_cpu_util": med([b["engine_cpu_util"] for b in runs]),
-                "interactive_engine_cpu_util": med(
-                    [b["interactive_engine_cpu_util"] for b in runs]
-                ),
-                # the bound per replica the batch ran at: median and last (adaptive: adapted)
-                "bound_median": med([med(b["bound_per_replica"] or [0]) for b in runs]),
-                "bound_last": med([(b["bound_per_replica"] or [0])[-1] for b in runs]),
-            }
-        )
-    best = rounds[0]["direct"]["concurrency_per_replica"]
+                cpus = parse_cpus(getattr(args, f"{role}_cpus"), f"--{role}-cpus")
+            except ValueError as err:
+                parser.error(str(err))
+            setattr(args, f"{role}_cpus", cpus)
+        if args.control_cpus:
+            # Before anything starts: the router and gateway inherit it.
+            os.sched_setaffinity(0, args.control_cpus)
+        rounds = []
+        for i in range(args.rounds):
+            with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+                stack = Stack(args, Path(tmp))
+                try:
+                    stack.start()
+                    rounds.append(asyncio.run(bench(args, stack, i)))
+                finally:
+                    stack.stop()
+        run_args = {
+            **vars(args),
+            **{
+                f"{r}_cpus": cpu_list(getattr(args, f"{r}_cpus"))
+                for r in ("batch", "interactive", "control")
+            },
+        }
+        engine = args.engine
+    median = summarize_rounds(rounds, run_args["batch_concurrency"])
+    best = median["direct_best_setting"]
     rows = [
-        {"run": f"direct, {best}/replica (the maximum)", "tokens_per_s": round(direct_tps),
-         "of_direct": 1.0, "ttft_p50_ms": round(idle_p50, 1), "ttft_p90_ms": round(idle_p90, 1),
-         "ttft_p90_vs_idle": 0.0},
+        {"run": f"direct, {best}/replica (the maximum)",
+         "tokens_per_s": round(median["direct_tokens_per_s"]), "of_direct": 1.0,
+         "ttft_p50_ms": round(median["idle_ttft_p50_ms"], 1),
+         "ttft_p90_ms": round(median["idle_ttft_p90_ms"], 1), "ttft_p90_vs_idle": 0.0},
         *(
             {"run": f"batch, {row['concurrency_per_replica']}/replica",
              "tokens_per_s": round(row["batch_tokens_per_s"]),
@@ -646,50 +1010,13 @@ def main() -> None:
              "ttft_p50_ms": round(row["ttft_p50_ms"], 1),
              "ttft_p90_ms": round(row["ttft_p90_ms"], 1),
              "ttft_p90_vs_idle": round(row["ttft_p90_vs_idle"], 2)}
-            for row in table
+            for row in median["batches"]
         ),
     ]  # fmt: skip
-    result = {
-        "rows": rows,
-        "args": vars(args),
-        "rounds": rounds,
-        "median": {
-            "direct_tokens_per_s": direct_tps,
-            "direct_engine_cpu_util": med([r["direct"]["engine_cpu_util"] for r in rounds]),
-            "idle_ttft_p50_ms": idle_p50,
-            "idle_ttft_p90_ms": idle_p90,
-            "batches": table,
-        },
-    }
-    print(
-        "| direct concurrency per replica | tokens/s | batch engines' CPU (cores) |\n|---|---|---|"
-    )
-    for run in rounds[0]["directs"]:
-        print(
-            f"| {run['concurrency_per_replica']} | {run['tokens_per_s']:,.0f} "
-            f"| {run['engine_cpu_util']:.2f} |"
-        )
-    print(
-        f"\ndirect (engines' maximum, at {best}/replica): {direct_tps:,.0f} tokens/s; "
-        f"interactive TTFT idle: "
-        f"p50 {idle_p50:.1f} ms, p90 {idle_p90:.1f} ms\n"
-    )
-    print("| batch concurrency per replica | bound (median, last) | batch tokens/s | of direct "
-          "| TTFT p50 | TTFT p90 | p90 vs idle | gateway CPU "
-          "| engines' CPU (batch, interactive) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in table:
-        print(
-            f"| {row['concurrency_per_replica']} "
-            f"| {row['bound_median']:.0f}, {row['bound_last']:.0f} "
-            f"| {row['batch_tokens_per_s']:,.0f} "
-            f"| {row['share_of_direct']:.1%} | {row['ttft_p50_ms']:.1f} ms "
-            f"| {row['ttft_p90_ms']:.1f} ms | {row['ttft_p90_vs_idle']:+.0%} "
-            f"| {row['gateway_cpu_s']:.1f} s "
-            f"| {row['engine_cpu_util']:.2f}, {row['interactive_engine_cpu_util']:.2f} |"
-        )
+    print_tables(rounds, median)
+    result = {"rows": rows, "args": run_args, "rounds": rounds, "median": median}
     tag = f"-{args.tag}" if args.tag else ""
-    out = write_results(f"batch_throughput-{args.engine}{tag}", result)
+    out = write_results(f"batch_throughput-{engine}{tag}", result)
     print(f"wrote {out}", file=sys.stderr)
 
 
