@@ -53,6 +53,9 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # shared prompt spreads; max_share 1: off). share_factor: times the fair share 1/n.
     max_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.4
     share_factor: Annotated[float, msgspec.Meta(ge=1)] = 8.0
+    # A cached prefix shorter than this earns no cache bonus: a template header every prompt
+    # shares must not draw new contexts' full prefills to the replicas holding customers.
+    min_prefix_tokens: NonNegInt = 64
     # Weight of the KV-pressure term, and a replica's KV capacity in tokens (0: use only the
     # engine's reported KV usage).
     kv_pressure_weight: NonNegFloat = 1.0
@@ -64,8 +67,11 @@ class RoutingConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # most this many blocks per replica.
     approx_ttl_s: PosFloat = 120.0
     # A replica that publishes KV events holds a routed prompt's blocks as pending until
-    # its BlockStored events confirm them, at most this long (router/approx_index.py); 0:
-    # off (the default: no gain measured on the simulated fleet, docs/benchmarks.md).
+    # its BlockStored events confirm them, at most this long (router/approx_index.py), so
+    # a customer's second request sent before the first one's prefill ends follows it
+    # rather than starting a second prefill elsewhere; 0: off, the default: on 64 simulated
+    # replicas it changed TTFT p90 within the noise, and recording a cold prompt's blocks at
+    # routing time costs what ingesting them does (docs/benchmarks.md, router cost).
     pending_ttl_s: NonNegFloat = 0.0
     approx_max_blocks: PosInt = 100_000
     # Session affinity (header x-session-id): how long a session sticks to its replica.
@@ -189,6 +195,10 @@ class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Seconds before the time limit that Slurm sends USR1 to the batch shell: the drain window.
     drain_s: PosInt = 60
     extra_args: list[str] = []
+    # The partition batch pools' jobs go to (`pools[].role = "batch"`), instead of
+    # `partition`: one the site made preemptible (e.g. PreemptType=preempt/partition_prio with
+    # a lower PriorityTier), so interactive jobs take its GPUs. "": the same as the others.
+    batch_partition: str = ""
     # SLURM_CONF for every Slurm command; empty means Slurm's default lookup.
     conf: str = ""
     log_dir: str = ""
@@ -212,6 +222,11 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # is replaced by an unpinned one once it has waited for that node this long (down,
     # drained, or busy with other jobs); the node is then not pinned to for as long again.
     pin_wait_s: NonNegFloat = 60.0
+    # An interactive pool's job pending this long makes an elastic batch pool drain one
+    # replica above its floor (one at a time): interactive pools win the GPUs where Slurm
+    # does not preempt batch jobs for them (slurm.batch_partition), and where it does, Slurm
+    # acts first (poolmgr/batch_sizing.py).
+    batch_yield_after_s: NonNegFloat = 30.0
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -245,6 +260,13 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # "batch": the pool runs Batch API and batch-tenant work; interactive requests avoid it
     # while an interactive replica of the model exists (router/policies/pool_roles.py).
     role: PoolRole = "interactive"
+    # Elastic batch pool (role "batch" only, poolmgr/batch_sizing.py): 0 keeps `replicas`
+    # fixed; above it, the pool grows towards max_replicas while Batch API requests wait and
+    # the cluster has idle GPUs (a replica per `backlog_per_replica` waiting requests), and
+    # shrinks back to `replicas` once nothing has waited for `scale_down_after_s`.
+    max_replicas: NonNegInt = 0
+    backlog_per_replica: PosInt = 100
+    scale_down_after_s: NonNegFloat = 60.0
 
     @property
     def model(self) -> str:
@@ -450,6 +472,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
             )
         _check_parallelism(i, pool)
         _check_lora(i, pool, cfg.engine.cache_dir)
+        _check_elastic(i, pool)
         if pool.nodes_per_replica > 1 and cfg.poolmgr.launcher == "local":
             raise ConfigError(
                 f"pools[{i}].nodes_per_replica: {pool.nodes_per_replica} needs "
@@ -477,6 +500,21 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 f"pools: model {model!r} is served by two pools of role {role!r}; give each its "
                 "own (a model may have one interactive and one batch pool)"
             )
+
+
+def _check_elastic(i: int, pool: PoolConfig) -> None:
+    if not pool.max_replicas:
+        return
+    if pool.role != "batch":
+        raise ConfigError(
+            f"pools[{i}].max_replicas: only a batch pool (role = 'batch') grows with its "
+            f"backlog; pool {pool.name!r} has role {pool.role!r}"
+        )
+    if pool.max_replicas < pool.replicas:
+        raise ConfigError(
+            f"pools[{i}].max_replicas: {pool.max_replicas} is below replicas "
+            f"({pool.replicas}), the pool's floor"
+        )
 
 
 def _check_health(health: HealthConfig) -> None:
