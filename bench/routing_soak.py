@@ -21,18 +21,15 @@ import asyncio
 import random
 import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results import load_average, write_results  # noqa: E402
-from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from hpcserve.gateway.routing_client import RoutingClient  # noqa: E402
-from hpcserve.router import protocol as p  # noqa: E402
 from hpcserve.router.server import RouterServer  # noqa: E402
-from tests.routers import loopback_router_config, running_router  # noqa: E402
+from tests.routers import router_with_one_replica  # noqa: E402
 from tests.tcp_proxy import TcpProxy  # noqa: E402
 
 
@@ -95,13 +92,7 @@ async def soak(
 
 
 async def run_case(args: argparse.Namespace, pieces: int, cut_every_s: float) -> dict[str, object]:
-    config = loopback_router_config(lease_s=3600.0)
-    with ExitStack() as stack:
-        router = stack.enter_context(running_router(config))
-        agent = RegistryAgent(config.registry_bind, p.Register("a", "docs", "http://127.0.0.1:9"))
-        stack.callback(agent.close)
-        agent.register()
-        agent.process_replies(5.0)
+    with router_with_one_replica(lease_s=3600.0) as (config, router):
         endpoint, proxy = config.routing_bind, None
         if pieces or cut_every_s:
             proxy = TcpProxy(int(config.routing_bind.rsplit(":", 1)[1]), pieces=pieces)

@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcserve.config import RouterConfig
+from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Registry as ModelRegistry
+from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
 
@@ -40,6 +42,22 @@ def running_router(config: RouterConfig, **server_args: Any) -> Iterator[RouterS
     finally:
         server.stop()
         thread.join(5)
+
+
+@contextmanager
+def router_with_one_replica(lease_s: float) -> Iterator[tuple[RouterConfig, RouterServer]]:
+    """A running loopback router with replica "a" of model "docs" registered by a real agent."""
+    config = loopback_router_config(lease_s=lease_s)
+    with running_router(config) as router:
+        agent = RegistryAgent(config.registry_bind, p.Register("a", "docs", "http://127.0.0.1:9"))
+        try:
+            agent.register()
+            agent.process_replies(5.0)
+            if not agent.registered:
+                raise RuntimeError("replica a did not register with the router within 5 s")
+            yield config, router
+        finally:
+            agent.close()
 
 
 def ports_free(config: RouterConfig) -> bool:

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 
-from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.routing_client import RoutingClient
-from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
-from tests.routers import loopback_router_config, running_router
+from tests.routers import router_with_one_replica
 from tests.tcp_proxy import TcpProxy
 
 
@@ -38,14 +36,7 @@ def in_flight(router: RouterServer) -> int:
 async def gateway_via_proxy(
     **client_args: float,
 ) -> AsyncIterator[tuple[RouterServer, TcpProxy, RoutingClient]]:
-    config = loopback_router_config(lease_s=600.0)
-    with ExitStack() as stack:
-        router = stack.enter_context(running_router(config))
-        agent = RegistryAgent(config.registry_bind, p.Register("a", "docs", "http://127.0.0.1:9"))
-        stack.callback(agent.close)
-        agent.register()
-        agent.process_replies(5.0)
-        assert agent.registered
+    with router_with_one_replica(lease_s=600.0) as (config, router):
         proxy = TcpProxy(int(config.routing_bind.rsplit(":", 1)[1]))
         await proxy.start()
         client = RoutingClient(proxy.endpoint, view_refresh_s=0.05, **client_args)  # type: ignore[arg-type]

@@ -12,18 +12,16 @@ import random
 import socket
 import time
 from collections.abc import AsyncIterator
-from contextlib import ExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 
 import zmq
 
-from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.routing_client import RoutingClient
 from hpcserve.gateway.zmtp_dealer import ZmtpDealer, _Connection
-from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from hpcserve.router.zmtp import GREETING, ZmtpRouter, encode_message, ready
 from tests.ports import free_port
-from tests.routers import loopback_router_config, running_router
+from tests.routers import router_with_one_replica
 from tests.tcp_proxy import TcpProxy
 
 CONCURRENCY = 256
@@ -31,14 +29,7 @@ CONCURRENCY = 256
 
 @asynccontextmanager
 async def router_behind_proxy(pieces: int) -> AsyncIterator[tuple[RouterServer, TcpProxy]]:
-    config = loopback_router_config(lease_s=600.0)
-    with ExitStack() as stack:
-        router = stack.enter_context(running_router(config))
-        agent = RegistryAgent(config.registry_bind, p.Register("a", "docs", "http://127.0.0.1:9"))
-        stack.callback(agent.close)
-        agent.register()
-        agent.process_replies(5.0)
-        assert agent.registered
+    with router_with_one_replica(lease_s=600.0) as (config, router):
         proxy = TcpProxy(int(config.routing_bind.rsplit(":", 1)[1]), pieces=pieces, seed=1)
         await proxy.start()
         try:
