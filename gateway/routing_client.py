@@ -237,8 +237,9 @@ class RoutingClient:
                 del self._pending[request_id]
                 if not future.done():
                     future.set_exception(self._unavailable())
-        if self._outbox:  # what waited for a router in vain is not sent later
-            self._outbox = [m for m in self._outbox if m[0] in self._pending]
+        if self._outbox:  # a request that waited for a router in vain is not sent later;
+            # Releases and InFlight (id 0) are, or the router would count them forever.
+            self._outbox = [m for m in self._outbox if not m[0] or m[0] in self._pending]
         self._arm_expiry()
 
     def _arm_expiry(self) -> None:

@@ -92,3 +92,22 @@ def test_an_in_flight_declaration_lost_with_a_connection_is_sent_again() -> None
             await until("every request released", lambda: in_flight(router) == 0)
 
     asyncio.run(scenario())
+
+
+def test_releases_queued_when_the_deadline_check_runs_are_still_sent() -> None:
+    # Under load the release timer and the deadline check fall due in one loop iteration:
+    # the Releases are queued, then the check runs before the flush. It dropped every
+    # queued message that was not a pending request, Releases included (the stress test
+    # saw 7 of 512 counts stuck in CI), and the router counted those requests forever.
+    async def scenario() -> None:
+        async with gateway_via_proxy(timeout_s=2.0) as (router, _, client):
+            for _ in range(3):
+                assert (await client.route("docs")).replica_id == "a"
+            assert in_flight(router) == 3
+            for _ in range(3):
+                client.release("a", "docs")
+            client._send_releases()  # the release timer's callback, then in the same
+            client._expire()  # iteration the deadline check, before the flush
+            await until("the releases", lambda: in_flight(router) == 0)
+
+    asyncio.run(scenario())
