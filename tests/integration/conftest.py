@@ -8,27 +8,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec, preflight
+from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.slurm import SlurmCLI
 from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
-from tests.integration.slurm_helpers import conf_processes, free_port_block, wait_for
+from tests.integration.slurm_helpers import running_cluster, wait_for
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
-    assert preflight() == [], preflight()
-    spec = LocalSlurmSpec(
-        state_dir=tmp_path_factory.mktemp("localslurm"), ctld_port=free_port_block()
-    )
-    assert spec.ctld_port != 16817
-    local = LocalSlurm(spec)
-    local.start()
-    try:
-        yield local
-    finally:
-        local.stop()
-    assert conf_processes(local.conf_path) == []
+    yield from running_cluster(tmp_path_factory.mktemp("localslurm"))
 
 
 @pytest.fixture

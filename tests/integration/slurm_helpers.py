@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hpcserve.config import PlatformConfig, parse_config
+from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec, preflight
 
 if TYPE_CHECKING:
-    from hpcserve.localslurm import LocalSlurm
     from hpcserve.router.server import RouterServer
 
 T = TypeVar("T")
@@ -74,6 +74,21 @@ def conf_processes(conf: Path) -> list[str]:
         if str(conf.parent) in line or env_entry in environ:
             found.append(f"{pid.name}: {line}")
     return found
+
+
+def running_cluster(state_dir: Path, **spec_args: Any) -> Iterator[LocalSlurm]:
+    """A two-node cluster started in `state_dir`, stopped after, leaving no process behind;
+    `spec_args`: more LocalSlurmSpec settings."""
+    assert preflight() == [], preflight()
+    spec = LocalSlurmSpec(state_dir=state_dir, ctld_port=free_port_block(), **spec_args)
+    assert spec.ctld_port != 16817
+    local = LocalSlurm(spec)
+    local.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+    assert conf_processes(local.conf_path) == []
 
 
 def cluster_config(

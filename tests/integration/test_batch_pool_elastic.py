@@ -19,7 +19,7 @@ import pytest
 from hpcserve.config import PlatformConfig, parse_config
 from hpcserve.gateway.batch.store import BatchRecord, BatchStore, new_id
 from hpcserve.gateway.batch.validate import validate_batch_file
-from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec, preflight
+from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.poolmgr.slurm import SlurmCLI
 from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
@@ -28,8 +28,7 @@ from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import (
     cluster_config,
-    conf_processes,
-    free_port_block,
+    running_cluster,
     wait_for,
 )
 
@@ -41,19 +40,7 @@ SIM = {"model_path": "/nonexistent", "engine": "sim", "gpus_per_replica": 4}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
     """The test cluster, plus the preemptible batch partition."""
-    assert preflight() == [], preflight()
-    spec = LocalSlurmSpec(
-        state_dir=tmp_path_factory.mktemp("localslurm"),
-        ctld_port=free_port_block(),
-        batch_partition="gpu-batch",
-    )
-    local = LocalSlurm(spec)
-    local.start()
-    try:
-        yield local
-    finally:
-        local.stop()
-    assert conf_processes(local.conf_path) == []
+    yield from running_cluster(tmp_path_factory.mktemp("localslurm"), batch_partition="gpu-batch")
 
 
 def jobs_of(slurm: SlurmCLI, name: str) -> list[SlurmJob]:
