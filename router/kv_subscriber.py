@@ -169,28 +169,37 @@ class KvEventSubscriber:
     def drain(self, limit: int = 10_000) -> int:
         """Handle queued event messages without blocking; returns how many."""
         handled = 0
-        # recv_multipart, without its per-frame option lookups (this loop is the ingest rate)
         recv, more = self.sub.recv, self.sub.getsockopt
         while handled < limit:
             try:
-                frames = [recv(_NOBLOCK)]
+                topic = recv(_NOBLOCK)
             except zmq.Again:
                 break
-            while more(_RCVMORE):
-                frames.append(recv(_NOBLOCK))
             handled += 1
-            if len(frames) != 3:
+            # vLLM sends [topic, seq, payload]: three frames read, then one check that the
+            # message ended there (a getsockopt costs as much as a recv, and this loop is the
+            # ingest rate). A message of another shape is counted bad and may take the next
+            # queued one along; that one's stream sees a seq gap and heals as from any
+            # message PUB/SUB drops (replay, or reset).
+            try:
+                seq_frame, payload = recv(_NOBLOCK), recv(_NOBLOCK)
+            except zmq.Again:
                 self.metrics.bad.inc()
+                break
+            if more(_RCVMORE):
+                self.metrics.bad.inc()
+                while more(_RCVMORE):
+                    recv(_NOBLOCK)
                 continue
-            stream = self._streams.get(frames[0])
+            stream = self._streams.get(topic)
             if stream is None:
                 continue
             try:
-                seq = kw.decode_seq(frames[1])
+                seq = kw.decode_seq(seq_frame)
             except ValueError:
                 self.metrics.bad.inc()
                 continue
-            self._on_live(stream, seq, frames[2])
+            self._on_live(stream, seq, payload)
         return handled
 
     def _on_live(self, stream: _Stream, seq: int, payload: bytes) -> None:
