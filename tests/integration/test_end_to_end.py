@@ -34,7 +34,7 @@ from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.router.client import list_replicas
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
-from tests.integration.slurm_helpers import conf_processes
+from tests.integration.slurm_helpers import conf_processes, free_port_block
 from tests.ports import free_port
 from tests.processes import processes_mentioning
 
@@ -46,7 +46,6 @@ EMBED = "tiny-embed"
 RERANK = "tiny-rerank"
 # LoRA adapters of the chat model (issue 6): docs-a loaded at start, the others on demand.
 ADAPTERS = {"docs-a": 1, "docs-b": 2, "docs-c": 3}  # name -> seed
-SLURM_PORT = 36817
 # At most 4 sequences running: a queue forms, in which priority counts (issue 10).
 CHAT_ENGINE_ARGS = [
     "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
@@ -107,7 +106,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
     )
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(API_KEY + "\n")
-    up = Stack(state, slurm_port=SLURM_PORT)
+    up = Stack(state, slurm_port=free_port_block())  # below the ephemeral range
     try:
         assert up.up(launcher="slurm", timeout_s=600) == 0, "hpcserve up failed (see output)"
         yield up, config

@@ -276,12 +276,20 @@ def test_idle_connections_are_reused_last_in_first_out_within_the_bound() -> Non
 
 def test_a_caller_past_the_bound_waits_at_most_the_connect_timeout() -> None:
     async def scenario() -> None:
-        async with serving({"/stall": stall}) as server:
-            upstream = client(max_connections=1, connect_timeout_s=0.2)
-            held = asyncio.ensure_future(upstream.request("POST", server.url + "/stall", b"", {}))
-            await asyncio.sleep(0.05)
+        never = asyncio.Event()
+
+        async def hold(body: bytes, reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await never.wait()
+
+        async with serving({"/hold": hold}) as server:
+            # The held request must not give its connection back while the second one waits,
+            # even if this process is descheduled for seconds: no first-byte deadline in reach.
+            upstream = client(max_connections=1, connect_timeout_s=0.2, first_byte_timeout_s=600)
+            held = asyncio.ensure_future(upstream.request("POST", server.url + "/hold", b"", {}))
+            while server.open < 1:
+                await asyncio.sleep(0.01)
             with pytest.raises(UpstreamTimeout, match=r"No connection to 127\.0\.0\.1") as err:
-                await upstream.request("POST", server.url + "/stall", b"", {})
+                await upstream.request("POST", server.url + "/hold", b"", {})
             assert err.value.phase == "connect" and err.value.before_first_byte
             held.cancel()
             await upstream.close()
