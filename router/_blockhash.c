@@ -21,7 +21,7 @@
 
 /* Bump when the functions below change what they take or return: prefix_hash.py refuses a
  * stale build (an editable install does not rebuild the extension by itself). */
-#define BLOCKHASH_API_VERSION 1
+#define BLOCKHASH_API_VERSION 2
 
 #define XXPRIME_1 ((uint64_t)11400714785074694791ULL)
 #define XXPRIME_2 ((uint64_t)14029467366897019727ULL)
@@ -313,28 +313,14 @@ PyDoc_STRVAR(chain_hashes_msgpack_doc,
 "Every item is checked, including those past the last block hashed. ValueError names the\n"
 "problem when the buffer is not exactly one such array.");
 
+/* The hashes of at most `max_blocks` (-1: all) full blocks of the msgpack array in
+ * `token_ids`, chained from the lane `lane`; NULL with ValueError when the buffer is not
+ * exactly one array of non-negative ints (every item is checked). */
 static PyObject *
-chain_hashes_msgpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+hash_msgpack_blocks(PyObject *token_ids, Py_ssize_t size, uint64_t lane, Py_ssize_t max_blocks)
 {
-    (void)module;
-    if (nargs != 3 && nargs != 4) {
-        PyErr_Format(PyExc_TypeError,
-                     "chain_hashes_msgpack() takes 3 or 4 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    Py_ssize_t size, max_blocks = -1;
-    uint64_t lane;
-    if (parse_block_size(args[1], &size) < 0 || parent_lane(args[2], &lane) < 0) {
-        return NULL;
-    }
-    if (nargs == 4) {
-        max_blocks = PyLong_AsSsize_t(args[3]);
-        if (max_blocks == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
-    }
     Py_buffer view;
-    if (get_buffer(args[0], &view) < 0) {
+    if (get_buffer(token_ids, &view) < 0) {
         return NULL;
     }
     Reader r = {(const unsigned char *)view.buf, (const unsigned char *)view.buf + view.len};
@@ -386,6 +372,101 @@ done:
     return out;
 }
 
+static PyObject *
+chain_hashes_msgpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError,
+                     "chain_hashes_msgpack() takes 3 or 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t size, max_blocks = -1;
+    uint64_t lane;
+    if (parse_block_size(args[1], &size) < 0 || parent_lane(args[2], &lane) < 0) {
+        return NULL;
+    }
+    if (nargs == 4) {
+        max_blocks = PyLong_AsSsize_t(args[3]);
+        if (max_blocks == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    return hash_msgpack_blocks(args[0], size, lane, max_blocks);
+}
+
+PyDoc_STRVAR(store_msgpack_blocks_doc,
+"store_msgpack_blocks(token_ids, block_size, parent, block_hashes, engine, holders, bit)\n"
+"-> list[int]\n\n"
+"PrefixIndex.stored's work for one BlockStored event, compiled. Hashes the blocks as\n"
+"chain_hashes_msgpack(token_ids, block_size, parent, len(block_hashes)) does (ValueError,\n"
+"nothing changed, when token_ids is not a msgpack array of non-negative ints) and returns\n"
+"them; when there are as many as `block_hashes` (a list), then for each block:\n"
+"engine[block_hash] = ours, and holders[ours] = bit if absent, else holders[ours] | bit\n"
+"(the value already there kept when it is `bit` itself). With fewer, nothing is stored.");
+
+static PyObject *
+store_msgpack_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError,
+                     "store_msgpack_blocks() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *block_hashes = args[3], *engine = args[4], *holders = args[5], *bit = args[6];
+    if (!PyList_Check(block_hashes)) {
+        PyErr_Format(PyExc_TypeError, "block_hashes must be a list, not %.100s",
+                     Py_TYPE(block_hashes)->tp_name);
+        return NULL;
+    }
+    if (!PyDict_CheckExact(engine) || !PyDict_CheckExact(holders)) {
+        PyErr_SetString(PyExc_TypeError, "engine and holders must be dicts");
+        return NULL;
+    }
+    Py_ssize_t size;
+    uint64_t lane;
+    if (parse_block_size(args[1], &size) < 0 || parent_lane(args[2], &lane) < 0) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(block_hashes);
+    PyObject *ours = hash_msgpack_blocks(args[0], size, lane, n);
+    if (ours == NULL || PyList_GET_SIZE(ours) < n) {
+        return ours;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* A block hash's __eq__/__hash__ (bytes or int from the decoder) cannot change
+         * the list, but take our own references anyway. */
+        PyObject *key = PyList_GET_ITEM(block_hashes, i);
+        PyObject *h = PyList_GET_ITEM(ours, i);
+        Py_INCREF(key);
+        int failed = PyDict_SetItem(engine, key, h);
+        Py_DECREF(key);
+        if (failed < 0) {
+            goto error;
+        }
+        PyObject *old = PyDict_SetDefault(holders, h, bit); /* borrowed */
+        if (old == NULL) {
+            goto error;
+        }
+        if (old != bit) {
+            PyObject *mask = PyNumber_Or(old, bit);
+            if (mask == NULL) {
+                goto error;
+            }
+            failed = PyDict_SetItem(holders, h, mask);
+            Py_DECREF(mask);
+            if (failed < 0) {
+                goto error;
+            }
+        }
+    }
+    return ours;
+error:
+    Py_DECREF(ours);
+    return NULL;
+}
+
 PyDoc_STRVAR(array_length_doc,
 "array_length(token_ids) -> int\n\n"
 "The item count of the msgpack array in the buffer `token_ids` (its header only).");
@@ -409,6 +490,8 @@ static PyMethodDef methods[] = {
      chain_hashes_doc},
     {"chain_hashes_msgpack", (PyCFunction)(void (*)(void))chain_hashes_msgpack,
      METH_FASTCALL, chain_hashes_msgpack_doc},
+    {"store_msgpack_blocks", (PyCFunction)(void (*)(void))store_msgpack_blocks,
+     METH_FASTCALL, store_msgpack_blocks_doc},
     {"array_length", array_length, METH_O, array_length_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -34,7 +34,9 @@ from hpcserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
-_NOBLOCK, _RCVMORE = int(zmq.NOBLOCK), int(zmq.RCVMORE)
+Buffer = bytes | zmq.Frame  # a payload: bytes from the replay socket, a Frame from the live one
+
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 class IngestCounts(Collector):
@@ -89,8 +91,7 @@ class _Stream:
     next_seq: int | None = None  # None: nothing seen yet
     replay: zmq.Socket | None = None
     replay_deadline: float = 0.0
-    queued: list[tuple[int, bytes]] = field(default_factory=list)
-    last_event_at: float = 0.0
+    queued: list[tuple[int, Buffer]] = field(default_factory=list)
     prompt_sent_at: float | None = None  # first full-block prompt routed since the last event
 
 
@@ -141,7 +142,7 @@ class KvEventSubscriber:
             )
             self.unwatch(other)
         self.sub.connect(endpoint)
-        stream = _Stream(replica_id, endpoint, replay_endpoint, last_event_at=self._clock())
+        stream = _Stream(replica_id, endpoint, replay_endpoint)
         self._streams[topic_b] = stream
         self._by_replica[replica_id] = topic_b
         self.index.slot(replica_id)
@@ -169,40 +170,43 @@ class KvEventSubscriber:
     def drain(self, limit: int = 10_000) -> int:
         """Handle queued event messages without blocking; returns how many."""
         handled = 0
-        recv, more = self.sub.recv, self.sub.getsockopt
+        recv, streams = self.sub.recv, self._streams
         while handled < limit:
             try:
                 topic = recv(_NOBLOCK)
             except zmq.Again:
                 break
             handled += 1
-            # vLLM sends [topic, seq, payload]: three frames read, then one check that the
-            # message ended there (a getsockopt costs as much as a recv, and this loop is the
-            # ingest rate). A message of another shape is counted bad and may take the next
-            # queued one along; that one's stream sees a seq gap and heals as from any
-            # message PUB/SUB drops (replay, or reset).
+            # vLLM sends [topic, seq, payload]. The payload comes as a zmq.Frame (no copy into
+            # bytes), whose `more` tells whether the message went on: a getsockopt(RCVMORE)
+            # costs as much as a recv, and this loop is the ingest rate. A message of another
+            # shape is counted bad and may take the next queued one along; that one's stream
+            # sees a seq gap and heals as from any message PUB/SUB drops (replay, or reset).
             try:
-                seq_frame, payload = recv(_NOBLOCK), recv(_NOBLOCK)
+                seq_frame = recv(_NOBLOCK)
+                payload = recv(_NOBLOCK, copy=False)
             except zmq.Again:
                 self.metrics.bad.inc()
                 break
-            if more(_RCVMORE):
+            if payload.more:
                 self.metrics.bad.inc()
-                while more(_RCVMORE):
-                    recv(_NOBLOCK)
+                while recv(_NOBLOCK, copy=False).more:
+                    pass
                 continue
-            stream = self._streams.get(topic)
+            stream = streams.get(topic)
             if stream is None:
                 continue
-            try:
-                seq = kw.decode_seq(seq_frame)
-            except ValueError:
+            if len(seq_frame) != 8:
                 self.metrics.bad.inc()
                 continue
-            self._on_live(stream, seq, payload)
+            seq = int.from_bytes(seq_frame, "big", signed=True)
+            if seq == stream.next_seq and stream.replay is None:
+                self._apply(stream, seq, payload)  # in order, the common case
+            else:
+                self._on_live(stream, seq, payload)
         return handled
 
-    def _on_live(self, stream: _Stream, seq: int, payload: bytes) -> None:
+    def _on_live(self, stream: _Stream, seq: int, payload: Buffer) -> None:
         if stream.replay is not None:
             stream.queued.append((seq, payload))
             return
@@ -219,7 +223,7 @@ class KvEventSubscriber:
                 self._reset(stream, "gap without replay")
         self._apply(stream, seq, payload)
 
-    def _apply(self, stream: _Stream, seq: int, payload: bytes) -> None:
+    def _apply(self, stream: _Stream, seq: int, payload: Buffer) -> None:
         stream.next_seq = seq + 1
         try:
             batch = kw.decode_batch_raw_tokens(payload)
@@ -238,7 +242,6 @@ class KvEventSubscriber:
         counts.blocks += stored
         counts.removed += removed
         counts.batches += 1
-        stream.last_event_at = self._clock()
         stream.prompt_sent_at = None
 
     def _reset(self, stream: _Stream, reason: str) -> None:

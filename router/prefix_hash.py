@@ -59,7 +59,7 @@ def chain_hashes_reference(tokens: Sequence[int], block_size: int, parent: int) 
     return out
 
 
-_API_VERSION = 1  # router/_blockhash.c's BLOCKHASH_API_VERSION
+_API_VERSION = 2  # router/_blockhash.c's BLOCKHASH_API_VERSION
 _built = getattr(_blockhash, "API_VERSION", None)
 if _built != _API_VERSION:
     raise ImportError(
@@ -75,6 +75,13 @@ chain_hashes_msgpack = _blockhash.chain_hashes_msgpack
 one msgpack array of non-negative ints (a BlockStored event's raw `token_ids`), at most
 `max_blocks` blocks; ValueError naming the problem when it is anything else."""
 
+store_msgpack_blocks = _blockhash.store_msgpack_blocks
+"""(token_ids, block_size, parent, block_hashes, engine, holders, bit) -> list[int]: the index's
+work for one BlockStored event (prefix_index.PrefixIndex.stored), compiled: our hashes of the
+event's blocks as chain_hashes_msgpack computes them (ValueError, nothing changed, on bad
+token_ids); when there is one per engine hash, engine[block_hash] = ours and each holder mask
+OR-ed with `bit`; with fewer, nothing is stored."""
+
 msgpack_array_length = _blockhash.array_length
 """The item count of the msgpack array in a buffer (its header only)."""
 
@@ -86,8 +93,13 @@ def _check_parity() -> None:
     for parent in (0, 1, -1, -2, 2**61 - 1, 2**61, -(2**63), 2**63 - 1, chain_seed("")):
         for block_size in (1, 16, 17):
             want = chain_hashes_reference(tokens, block_size, parent)
-            if chain_hashes(tokens, block_size, parent) != want or (
-                chain_hashes_msgpack(raw, block_size, parent) != want
+            engine: dict = {}
+            stored = store_msgpack_blocks(raw, block_size, parent, want[:3], engine, {}, 1)
+            if (
+                chain_hashes(tokens, block_size, parent) != want
+                or chain_hashes_msgpack(raw, block_size, parent) != want
+                or stored != want[:3]
+                or list(engine.values()) != want[:3]
             ):
                 raise RuntimeError(
                     "hpcserve.router._blockhash disagrees with prefix_hash.chain_hashes_reference "

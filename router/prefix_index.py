@@ -30,9 +30,9 @@ import msgspec
 from hpcserve.router import kv_wire as kw
 from hpcserve.router.prefix_hash import (
     chain_hashes,
-    chain_hashes_msgpack,
     chain_seed,
     msgpack_array_length,
+    store_msgpack_blocks,
 )
 
 _BASE_SEED = chain_seed("")
@@ -123,6 +123,7 @@ class PrefixIndex:
                 return
         tokens = event.token_ids
         hashes = event.block_hashes
+        bit = self._bits[slot]
         n = len(hashes)
         raw = type(tokens) is msgspec.Raw  # kv_wire.decode_batch_raw_tokens's events
         size = event.block_size
@@ -131,24 +132,28 @@ class PrefixIndex:
         if size <= 0:
             self.orphans += 1
             return
-        # Compiled (prefix_hash): ValueError naming the problem when raw tokens are not an
-        # array of non-negative ints, before anything below changes.
         if raw:
-            ours = chain_hashes_msgpack(tokens, size, h, n)
+            # Compiled (prefix_hash): hashes, then (only when there is one per engine hash) the
+            # engine map and holder masks as in the loop below; ValueError naming the problem,
+            # nothing changed, when the tokens are not an array of non-negative ints.
+            ours = store_msgpack_blocks(tokens, size, h, hashes, engine, self._holders, bit)
+            if len(ours) < n:
+                self.orphans += 1
+                return
         else:
             ours = chain_hashes(tokens, size, h)
+            if len(ours) < n:
+                self.orphans += 1
+                return
             del ours[n:]
-        if len(ours) < n:
-            self.orphans += 1
-            return
+            engine.update(zip(hashes, ours, strict=True))
+            holders = self._holders
+            setdefault = holders.setdefault
+            for h in ours:
+                old = setdefault(h, bit)
+                if old is not bit:
+                    holders[h] = old | bit
         self._block_size[slot] = size
-        engine.update(zip(hashes, ours, strict=True))
-        holders, bit = self._holders, self._bits[slot]
-        setdefault = holders.setdefault
-        for h in ours:
-            old = setdefault(h, bit)
-            if old is not bit:
-                holders[h] = old | bit
         # Blocks the router recorded when it routed a prompt here are now the engine's.
         pending = self._unconfirmed[slot]
         if pending:

@@ -166,6 +166,19 @@ def test_a_message_of_another_shape_costs_at_most_the_next_one_which_replay_heal
     assert sub.metrics.bad._value.get() >= 2
 
 
+def test_the_frames_after_a_long_message_are_skipped_exactly(setup):
+    pub, sub, _ = setup
+    connect(pub, sub)
+    gaps = sub.metrics.gaps._value.get()
+    # Five frames, its seq not taken: the extra two are skipped and nothing after them is,
+    # so the next batch (that seq) is applied in order, with no gap and no replay.
+    pub._pub.send_multipart([b"r1", kw.encode_seq(pub.next_seq), b"\xc1", b"x", b"y"])
+    pub.publish([block(1)])
+    pump(pub, sub, lambda: depth(sub) == 2)
+    assert sub.metrics.bad._value.get() == 1
+    assert sub.metrics.gaps._value.get() == gaps and not sub.replay_sockets()
+
+
 def test_events_of_an_unknown_topic_are_ignored(setup):
     pub, sub, _ = setup
     connect(pub, sub)

@@ -151,7 +151,7 @@ def test_a_disagreeing_extension_is_refused(monkeypatch):
     ("stand_in", "message"),
     [
         ("None", "_blockhash \\(router/_blockhash.c\\) is not built: run `pip install -e .`"),
-        ("types.ModuleType('stale')", "stale build \\(API None, this code needs 1\\)"),
+        ("types.ModuleType('stale')", "stale build \\(API None, this code needs 2\\)"),
     ],
 )
 def test_a_missing_or_stale_extension_names_the_fix(stand_in, message):
@@ -229,3 +229,59 @@ def test_a_malformed_raw_event_changes_nothing():
     with pytest.raises(ValueError, match="token_ids: item 7 is negative \\(-5\\)"):
         index.apply("r", [event])
     assert (len(index), index.blocks("r"), index.match(ph.prompt_block_hashes(TOKENS, 4))) == before
+
+
+# --- the index's store, compiled (PrefixIndex.stored for raw token_ids) --------------------
+
+
+def test_store_writes_what_the_python_loop_writes_including_shared_holders():
+    # Three replicas, overlapping prefixes (held by one, two, three of them): the engine maps
+    # and holder masks built from raw token_ids equal the ones the Python path builds.
+    rng = random.Random(3)
+    docs = [[rng.randrange(50_000) for _ in range(64)] for _ in range(4)]
+    events = {
+        f"r{r}": [
+            kw.BlockStored([r * 100 + d * 10 + i for i in range(4)], None, docs[d], 16)
+            for d in range(4)
+            if (d + r) % 3 or d == 0
+        ]
+        for r in range(3)
+    }
+    raw, decoded = PrefixIndex(), PrefixIndex()
+    for replica, stored in events.items():
+        payload = kw.encode_batch(batch(*stored))
+        assert raw.apply(replica, kw.decode_batch_raw_tokens(payload).events) == (
+            decoded.apply(replica, kw.decode_batch(payload).events)
+        )
+    assert raw._holders == decoded._holders
+    assert raw._engine == decoded._engine
+    assert sorted(bin(mask).count("1") for mask in raw._holders.values())[-4:] == [3, 3, 3, 3]
+    # One replica's blocks share its cached single-bit int (match_slots relies on it).
+    assert all(
+        mask is raw._bits[mask.bit_length() - 1]
+        for mask in raw._holders.values()
+        if mask & (mask - 1) == 0
+    )
+
+
+def test_store_with_fewer_blocks_than_hashes_stores_nothing():
+    engine, holders = {}, {}
+    raw = msgspec.msgpack.encode(TOKENS[:8])  # 2 blocks of 4, 3 engine hashes
+    ours = ph.store_msgpack_blocks(raw, 4, 0, [b"a", b"b", b"c"], engine, holders, 1)
+    assert ours == ph.chain_hashes(TOKENS[:8], 4, 0)
+    assert engine == {} and holders == {}
+
+
+def test_store_refuses_bad_input_before_changing_anything():
+    engine, holders = {b"x": 1}, {1: 1}
+    good = msgspec.msgpack.encode(TOKENS[:8])
+    with pytest.raises(ValueError, match="token_ids: item 5 is negative"):
+        ph.store_msgpack_blocks(msgspec.msgpack.encode([1, 2, 3, 4, 5, -6, 7, 8]), 4, 0,
+                                [b"a", b"b"], engine, holders, 2)  # fmt: skip
+    with pytest.raises(TypeError, match="block_hashes must be a list, not tuple"):
+        ph.store_msgpack_blocks(good, 4, 0, (b"a", b"b"), engine, holders, 2)
+    with pytest.raises(TypeError, match="engine and holders must be dicts"):
+        ph.store_msgpack_blocks(good, 4, 0, [b"a", b"b"], engine, [], 2)
+    with pytest.raises(TypeError, match="takes 7 arguments \\(3 given\\)"):
+        ph.store_msgpack_blocks(good, 4, 0)
+    assert engine == {b"x": 1} and holders == {1: 1}
