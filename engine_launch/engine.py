@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import logging
 import os
 import signal
@@ -37,6 +38,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.engine_launch.engine_ports import (
+    HTTP,
+    PORT_RETRIES,
+    EnginePort,
+    bindable_like_vllm,
+    can_retry,
+    describe_taken,
+    engine_ports,
+    port_failure,
+    respec,
+    taken_ports,
+)
 from hpcserve.engine_launch.lifeline import HeadLink, WorkerLink
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.engine_launch.lora import RuntimeAdapters, read_plan, stage_adapter
@@ -48,7 +61,8 @@ from hpcserve.engine_launch.vllm_args import (
     vllm_argv,
     vllm_env,
 )
-from hpcserve.ports import free_port
+from hpcserve.port_reservations import PortReservation
+from hpcserve.ports import reserve_ports
 from hpcserve.router import protocol as p
 
 if TYPE_CHECKING:
@@ -154,11 +168,12 @@ class EngineRunner:
                 f"--nnodes {options.nnodes} needs --master-addr, --master-port and --head-port "
                 f"(got {options.master_addr!r}, {options.master_port}, {options.head_port})"
             )
-        local_host = "127.0.0.1" if options.bind_host in ("0.0.0.0", "") else options.bind_host
-        self.port = options.port or free_port(options.bind_host)
-        self.local_url = f"http://{local_host}:{self.port}"
+        # Ports the engine chose, reserved on this host until it exits (hpcserve/ports.py).
+        self.reservations: list[PortReservation] = []
+        self.port = options.port or self.reserve_port(options.bind_host)
         advertise = options.advertise_host or socket.gethostname()
-        self.public_url = f"http://{advertise}:{self.port}"
+        self.advertise_host = advertise
+        self._set_urls()
         self.spec = EngineSpec(
             model_path=options.model_path,
             served_model_name=options.served_model_name,
@@ -175,13 +190,11 @@ class EngineRunner:
             master_addr=options.master_addr,
             master_port=options.master_port,
         )
-        self.advertise_host = advertise
         if options.engine in ("vllm", "vllm-cpu", "sim") and self.node_rank == 0:
-            # KV-cache events for the router's prefix index (router/kv_subscriber.py).
+            # KV-cache events for the router's prefix index (router/kv_subscriber.py); vLLM
+            # binds them on every interface.
             self.spec = replace(
-                self.spec,
-                kv_events_port=free_port(options.bind_host),
-                kv_replay_port=free_port(options.bind_host),
+                self.spec, kv_events_port=self.reserve_port(), kv_replay_port=self.reserve_port()
             )
         job = self.topology.job_id
         self.replica_id = (
@@ -198,6 +211,23 @@ class EngineRunner:
         self.lora: RuntimeAdapters | None = None
         self.health: EngineHealth | None = None
         self._gave_up = ""  # the health monitor gave up on this engine: stop vLLM hard
+        self.port_grace_s = 5.0
+
+    def _set_urls(self) -> None:
+        bind_host = self.options.bind_host
+        local_host = "127.0.0.1" if bind_host in ("0.0.0.0", "") else bind_host
+        self.local_url = f"http://{local_host}:{self.port}"
+        self.public_url = f"http://{self.advertise_host}:{self.port}"
+
+    def reserve_port(self, host: str = "") -> int:
+        [reservation] = reserve_ports(1, host)
+        self.reservations.append(reservation)
+        return reservation.port
+
+    def release_ports(self) -> None:
+        for reservation in self.reservations:
+            reservation.release()
+        self.reservations = []
 
     def request_stop(self, reason: str) -> None:
         if not self._stop.is_set():
@@ -272,6 +302,54 @@ class EngineRunner:
         self.process = subprocess.Popen(
             argv, env=vllm_env(self.spec, os.environ), preexec_fn=_die_with_parent
         )
+
+    def launch_vllm(self) -> None:
+        """Start vLLM and wait until it is ready; restart it on new ports when it exited
+        because one it was to bind had been taken meanwhile (engine_ports.py)."""
+        for retries_done in itertools.count():
+            self.start_vllm()
+            try:
+                self.wait_ready()
+                return
+            except EngineFailed as err:
+                taken = self.ports_taken()
+                if not taken:
+                    raise
+                if not can_retry(taken, retries_done):
+                    raise EngineFailed(port_failure(str(err), taken, retries_done)) from None
+                log.warning(
+                    "vLLM exited before it was ready: %s; restarting it on new ports "
+                    "(retry %d of %d)",
+                    describe_taken(taken),
+                    retries_done + 1,
+                    PORT_RETRIES,
+                )
+                self.replace_ports(taken)
+
+    def ports_taken(self) -> list[EnginePort]:
+        """The ports vLLM was to bind that another process holds (vLLM must have exited).
+        A port still held after `port_grace_s` is not one of vLLM's exiting children's."""
+        if self.process is None or self.process.poll() is None:
+            return []
+        taken = engine_ports(self.spec, http_chosen=not self.options.port)
+        deadline = time.monotonic() + self.port_grace_s
+        while True:
+            taken = taken_ports(taken, bindable_like_vllm)
+            if not taken or time.monotonic() >= deadline:
+                return taken
+            time.sleep(0.5)
+
+    def replace_ports(self, taken: list[EnginePort]) -> None:
+        new: dict[str, int] = {}
+        for port in taken:
+            for reservation in [r for r in self.reservations if r.port == port.port]:
+                reservation.release()
+                self.reservations.remove(reservation)
+            new[port.socket] = self.reserve_port(port.host)
+        self.spec = respec(self.spec, new)
+        if HTTP in new:
+            self.port = new[HTTP]
+            self._set_urls()
 
     def wait_ready(self) -> None:
         assert self.process is not None
@@ -477,8 +555,7 @@ class EngineRunner:
                         f"cannot listen on --head-port {self.options.head_port}: {err}"
                     ) from None
             self.prepare_model()
-            self.start_vllm()
-            self.wait_ready()
+            self.launch_vllm()
             if not self._stop.is_set():
                 self.serve(agent)
             if self._rank_lost:
@@ -494,6 +571,7 @@ class EngineRunner:
             if self.health is not None:
                 self.health.stop()
             code = self.stop_vllm()
+            self.release_ports()
             log.info("engine stopped (vLLM exit code %s)", code)
             if head_link is not None:
                 head_link.close()  # now the other ranks stop their workers
@@ -554,6 +632,7 @@ class EngineRunner:
             if link is not None:
                 link.close()
             code = self.stop_vllm()
+            self.release_ports()
             log.info("engine stopped (vLLM exit code %s)", code)
         return 1 if failure else 0
 

@@ -68,6 +68,12 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch_runner(args: argparse.Namespace) -> int:
+    from hpcserve.gateway.batch.process import run_batch_runner
+
+    return run_batch_runner(_load(args))
+
+
 def cmd_poolmgr(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
@@ -152,11 +158,25 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_free_ports(args: argparse.Namespace) -> int:
-    """N distinct TCP ports free on this host now (for job scripts; another process may
-    still take one before it is used, so scripts let an admin set their own)."""
-    from hpcserve.ports import free_ports
+    """N distinct TCP ports free on this host now (for job scripts). With --hold-for PID they
+    stay reserved for that process (the job's shell) until it exits, so no other hpcserve
+    process on the host hands them out; a foreign process may still take one, so scripts let
+    an admin set their own."""
+    from hpcserve.ports import free_ports, reserve_ports
 
-    print(" ".join(str(port) for port in free_ports(args.count)))
+    if not args.hold_for:
+        print(" ".join(str(port) for port in free_ports(args.count)))
+        return 0
+    reservations = reserve_ports(args.count)
+    try:
+        for reservation in reservations:
+            reservation.hand_over(args.hold_for)
+    except ValueError as err:
+        for reservation in reservations:
+            reservation.release()
+        print(f"hpcserve free-ports: {err}", file=sys.stderr)
+        return 2
+    print(" ".join(str(r.port) for r in reservations))
     return 0
 
 
@@ -287,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sub.add_parser("gateway", help="run the OpenAI-compatible gateway")).set_defaults(
         func=cmd_gateway
     )
+    with_config(
+        sub.add_parser("batch-runner", help="run the Batch API's batches (a process of its own)")
+    ).set_defaults(func=cmd_batch_runner)
     p = with_config(sub.add_parser("poolmgr", help="run the pool manager"))
     p.add_argument("--check", action="store_true", help="validate the config, print the plan")
     p.add_argument(
@@ -345,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("free-ports", help="print N free TCP ports of this host (job scripts)")
     p.add_argument("count", type=int, nargs="?", default=1)
+    p.add_argument(
+        "--hold-for",
+        type=int,
+        default=0,
+        metavar="PID",
+        help="keep the ports reserved on this host until process PID exits (the job's shell)",
+    )
     p.set_defaults(func=cmd_free_ports)
 
     for name, func, text in (

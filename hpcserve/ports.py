@@ -7,6 +7,11 @@ KV-event sockets only after the model has loaded, a minute or more later, and by
 outgoing connection (another engine's ZeroMQ or HTTP client) may hold that port: vLLM then
 dies with "Address already in use". So ports come from below the ephemeral range, where
 outgoing connections never land, chosen at random and checked free when chosen.
+
+Checked free is not enough where the port is bound later by another process: two engines on
+one host could both choose it before either binds. `reserve_ports` therefore also reserves
+each port host-wide (hpcserve/port_reservations.py) until the caller releases it or exits;
+`free_ports` skips ports others have reserved.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import random
 import socket
 from pathlib import Path
+
+from hpcserve.port_reservations import PortReservation, is_reserved, sweep, try_reserve
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Linux's default ephemeral range; also the fallback where the file cannot be read.
@@ -59,19 +66,60 @@ def _is_free(host: str, port: int) -> bool:
     return True
 
 
-def free_ports(count: int, host: str = "", rng: random.Random | None = None) -> list[int]:
-    """`count` distinct ports free on `host` now, outside the ephemeral range."""
+def _bind_host(host: str) -> str:
+    return "" if host in ("0.0.0.0", "*") else host
+
+
+def free_ports(
+    count: int, host: str = "", rng: random.Random | None = None, directory: Path | None = None
+) -> list[int]:
+    """`count` distinct ports free on `host` now, outside the ephemeral range, and reserved
+    by no process (nothing is reserved: for a server that binds them at once)."""
     rng = rng or random.Random()
-    bind_host = "" if host in ("0.0.0.0", "*") else host
     pool = candidate_range(ephemeral_range())
     chosen: list[int] = []
     for _ in range(200 * count):
         port = rng.choice(pool)
-        if port not in chosen and _is_free(bind_host, port):
+        if port in chosen or is_reserved(port, directory):
+            continue
+        if _is_free(_bind_host(host), port):
             chosen.append(port)
             if len(chosen) == count:
                 return chosen
     raise OSError(f"no {count} free TCP ports found on {host or 'this host'} in {pool}")
+
+
+_swept: set[Path | None] = set()
+
+
+def reserve_ports(
+    count: int, host: str = "", rng: random.Random | None = None, directory: Path | None = None
+) -> list[PortReservation]:
+    """`count` distinct ports free on `host` now, outside the ephemeral range, each reserved
+    host-wide for this process until released (or until it exits)."""
+    rng = rng or random.Random()
+    if directory not in _swept:
+        _swept.add(directory)
+        sweep(directory)  # what holders that were killed left behind
+    pool = candidate_range(ephemeral_range())
+    held: list[PortReservation] = []
+    for _ in range(200 * count):
+        port = rng.choice(pool)
+        if any(r.port == port for r in held):
+            continue
+        reservation = try_reserve(port, directory)
+        if reservation is None:
+            continue
+        # Checked after reserving: no other hpcserve process can take it from here on.
+        if not _is_free(_bind_host(host), port):
+            reservation.release()
+            continue
+        held.append(reservation)
+        if len(held) == count:
+            return held
+    for reservation in held:
+        reservation.release()
+    raise OSError(f"no {count} free, unreserved TCP ports found on {host or 'this host'} in {pool}")
 
 
 def free_port(host: str = "") -> int:

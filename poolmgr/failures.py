@@ -1,4 +1,5 @@
-"""Which pools are failing, and why: read from job state transitions (pure; clock passed in).
+"""Which pools are failing, and why: read from job state transitions (job_states.py; pure,
+clock passed in).
 
 A job of a pool that ends in a failure state (FAILED, NODE_FAIL, OUT_OF_MEMORY, BOOT_FAIL,
 TIMEOUT, DEADLINE) counts one failure against the pool; the reason keeps Slurm's own words.
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hpcserve.poolmgr.identity import JobIdentity
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+from hpcserve.poolmgr.job_states import Transition
+from hpcserve.poolmgr.slurm_parse import JobState
 
 FAILURE_STATES = frozenset({
     JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY, JobState.BOOT_FAIL,
@@ -26,18 +27,17 @@ class FailureTracker:
         self.healthy_after_s = healthy_after_s
         self.failures: dict[str, int] = {}
         self.last_failure: dict[str, str] = {}
-        self._states: dict[int, JobState] = {}
         self._serving_since: dict[int, float] = {}
 
     def update(
-        self, ours: Iterable[tuple[SlurmJob, JobIdentity]], serving_job_ids: set[int], now: float
+        self, transitions: Iterable[Transition], serving_job_ids: set[int], now: float
     ) -> list[str]:
-        """Take one observation; returns a line per new failure (for the log)."""
+        """Take one poll's transitions; returns a line per new failure (for the log)."""
         events = []
-        states = {}
-        for job, ident in ours:
-            states[job.job_id] = job.state
-            before = self._states.get(job.job_id)
+        listed: set[int] = set()
+        for transition in transitions:
+            job, ident, before = transition.job, transition.identity, transition.before
+            listed.add(job.job_id)
             if job.state in FAILURE_STATES and (before is None or before.is_active):
                 self.failures[ident.pool] = self.failures.get(ident.pool, 0) + 1
                 where = f" on {','.join(job.nodes)}" if job.nodes else ""
@@ -53,7 +53,5 @@ class FailureTracker:
                     self.failures[ident.pool] = 0
             else:
                 self._serving_since.pop(job.job_id, None)
-        # Jobs squeue no longer lists are forgotten; their outcome was seen (or never will be).
-        self._states = states
-        self._serving_since = {k: v for k, v in self._serving_since.items() if k in states}
+        self._serving_since = {k: v for k, v in self._serving_since.items() if k in listed}
         return events

@@ -26,7 +26,7 @@ from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.modelcache.registry import RegistryError
 from hpcserve.poolmgr.batch_pools import BatchPools, is_elastic
 from hpcserve.poolmgr.failures import FailureTracker
-from hpcserve.poolmgr.identity import JobIdentity
+from hpcserve.poolmgr.job_states import JobStates, Transition
 from hpcserve.poolmgr.observe import Observation, observe
 from hpcserve.poolmgr.placement import CacheInventory, PinWatch, chooses_nodes, job_pins
 from hpcserve.poolmgr.reconcile import (
@@ -42,7 +42,7 @@ from hpcserve.poolmgr.reconcile import (
 from hpcserve.poolmgr.registry_usage import RegistryUsage
 from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
+from hpcserve.poolmgr.slurm_parse import JobState, SlurmNode
 from hpcserve.poolmgr.spec import (
     build_job_spec,
     job_log_dir,
@@ -120,7 +120,7 @@ class PoolManager:
         self.cache_inventory = CacheInventory()
         self.pin_watch = PinWatch(config.poolmgr.pin_wait_s)
         self.registry_usage = RegistryUsage(config.registry_path())
-        self._seen_states: dict[int, JobState] = {}
+        self.job_states = JobStates()
         self.last_observation: Observation | None = None
 
     @property
@@ -171,10 +171,9 @@ class PoolManager:
         snapshot = self.slurm.jobs(name_prefix=self.prefix + "-")
         digests = {pool.name: pool_spec_digest(self.config, pool) for pool in self.config.pools}
         observation = observe(snapshot.jobs, self._read_replicas(), self._read_nodes(), digests)
-        self._log_state_changes(observation.ours)
-        for line in self.failures.update(
-            observation.ours, observation.serving_job_ids, self._clock()
-        ):
+        transitions = self.job_states.observe(observation.ours)
+        self._log_state_changes(transitions)
+        for line in self.failures.update(transitions, observation.serving_job_ids, self._clock()):
             log.warning(line)
         self.memory.failures = self.failures.failures
         active = {j.job_id for j in observation.jobs}
@@ -184,11 +183,11 @@ class PoolManager:
         self.last_observation = observation
         return observation
 
-    def _log_state_changes(self, ours: list[tuple[SlurmJob, JobIdentity]]) -> None:
+    def _log_state_changes(self, transitions: list[Transition]) -> None:
         counts: dict[tuple[str, str], int] = {}
-        for job, identity in ours:
-            before = self._seen_states.get(job.job_id)
-            if before is not job.state:
+        for transition in transitions:
+            job, identity, before = transition.job, transition.identity, transition.before
+            if transition.changed:
                 reason = f" ({job.state_reason})" if job.state_reason not in ("", "None") else ""
                 nodes = f" on {','.join(job.nodes)}" if job.nodes else ""
                 log.info(
@@ -202,7 +201,6 @@ class PoolManager:
                 )
             key = (identity.pool, job.state.value)
             counts[key] = counts.get(key, 0) + 1
-        self._seen_states = {job.job_id: job.state for job, _ in ours}
         self.metrics.jobs.clear()
         for (pool, state), n in counts.items():
             self.metrics.jobs.labels(pool, state).set(n)

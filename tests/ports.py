@@ -5,21 +5,27 @@ host (a ZeroMQ reconnect, an HTTP client, Slurm) may take it between the moment 
 and the moment the server binds it. These come from below that range, where outgoing
 connections never land (hpcserve.ports draws from the same range for engines), at random and
 checked free, and this process never hands out the same port twice: a server that has not
-bound yet cannot be told apart from a free port by a bind check.
+bound yet cannot be told apart from a free port by a bind check. For the same reason each is
+reserved host-wide for the life of this process (hpcserve/port_reservations.py), as engines
+reserve theirs: an engine of a test cluster on this host never takes a test server's port
+before it binds, nor a test server an engine's.
 """
 
 from __future__ import annotations
 
+import atexit
 import random
 import socket
 import threading
 
+from hpcserve.port_reservations import PortReservation, try_reserve
 from hpcserve.ports import candidate_range, ephemeral_range
 
 # tests/integration/slurm_helpers.free_port_block hands out Slurm daemons' ports from here.
 SLURM_BLOCKS = range(26817, 27817 + 10)
 
 _handed_out: set[int] = set()
+_reserved: list[PortReservation] = []
 _lock = threading.Lock()
 _rng = random.Random()
 
@@ -39,13 +45,26 @@ def pick_ports(count: int, pool: range, taken: set[int], rng: random.Random) -> 
     chosen: list[int] = []
     for _ in range(200 * count):
         port = rng.choice(pool)
-        if port in taken or port in SLURM_BLOCKS or not _bindable(port):
+        if port in taken or port in SLURM_BLOCKS:
             continue
+        reservation = try_reserve(port)
+        if reservation is None:
+            continue
+        if not _bindable(port):
+            reservation.release()
+            continue
+        _reserved.append(reservation)
         taken.add(port)
         chosen.append(port)
         if len(chosen) == count:
             return chosen
     raise OSError(f"no {count} free TCP ports left in {pool} ({len(taken)} handed out)")
+
+
+@atexit.register
+def _release_all() -> None:
+    for reservation in _reserved:
+        reservation.release()
 
 
 def free_ports(count: int) -> list[int]:
