@@ -233,6 +233,9 @@ class RouterServer:
                     self.kv_events.tick()
                     self.decider.record_routed()
                     self.decider.approx.expire(now)
+                    # Heartbeats that queued while this thread was not running (a paused
+                    # process) count before any lease is judged lapsed.
+                    self._drain(self._registry_sock, self._on_registry)
                     for _ in self.registry.expire(now):
                         self.metrics.lease_expiries.inc()
                     self._publish_gauges()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +23,10 @@ def loopback_router_config(**overrides: Any) -> RouterConfig:
     settings: dict[str, Any] = {
         "registry_bind": f"tcp://127.0.0.1:{free_port()}",
         "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-        "lease_s": 1.0,
+        # 20 heartbeats: the router runs in the test process, and a process descheduled past
+        # the lease expires every replica at once on resuming, before it reads the heartbeats
+        # that queued meanwhile. Tests of lease expiry set a short one.
+        "lease_s": 5.0,
         "heartbeat_s": 0.25,
         "metrics_port": 0,
         **overrides,
@@ -37,7 +41,7 @@ def running_router(config: RouterConfig, **server_args: Any) -> Iterator[RouterS
     thread = threading.Thread(target=server.serve_forever, name="router", daemon=True)
     thread.start()
     try:
-        assert server.ready.wait(5)
+        assert server.ready.wait(60)
         yield server
     finally:
         server.stop()
@@ -52,12 +56,34 @@ def router_with_one_replica(lease_s: float) -> Iterator[tuple[RouterConfig, Rout
         agent = RegistryAgent(config.registry_bind, p.Register("a", "docs", "http://127.0.0.1:9"))
         try:
             agent.register()
-            agent.process_replies(5.0)
+            agent.process_replies(30.0)
             if not agent.registered:
-                raise RuntimeError("replica a did not register with the router within 5 s")
+                raise RuntimeError("replica a did not register with the router within 30 s")
             yield config, router
         finally:
             agent.close()
+
+
+def used_in_quota_book(router: RouterServer) -> int:
+    """Requests of the last minute the router's quota book holds, all gateways together."""
+    return sum(t.requests for t in router.quotas.others("nobody", time.monotonic()))
+
+
+def count_quota_reports_once_complete(router: RouterServer, complete: int) -> dict[str, int]:
+    """Per gateway, the quota reports the router answers from now on while its book holds
+    `complete` requests. A gateway reports again only once it has the previous answer: at 2,
+    it holds the others' totals (whatever time that took on a loaded machine)."""
+    answered: dict[str, int] = {}
+    report = router.quotas.report
+
+    def counting(msg: p.QuotaReport, now: float) -> p.QuotaTotals:
+        totals = report(msg, now)
+        if used_in_quota_book(router) == complete:
+            answered[msg.gateway_id] = answered.get(msg.gateway_id, 0) + 1
+        return totals
+
+    router.quotas.report = counting  # type: ignore[method-assign]
+    return answered
 
 
 def ports_free(config: RouterConfig) -> bool:

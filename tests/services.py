@@ -17,7 +17,7 @@ from hpcserve.config import RouterConfig, dump_config, parse_config
 from tests.ports import free_port
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
     """Until `url`/health answers; fails at once if the process has exited."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -41,7 +41,7 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
 
 
 @contextmanager
-def service(argv: list[str], url: str, timeout_s: float = 30) -> Iterator[subprocess.Popen[bytes]]:
+def service(argv: list[str], url: str, timeout_s: float = 60) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_healthy(url, proc, timeout_s)

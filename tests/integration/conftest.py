@@ -27,11 +27,7 @@ def slurm(cluster: LocalSlurm) -> Iterator[SlurmCLI]:
     # leave no active job to the next test
     active = [j.job_id for j in client.jobs().jobs if j.state.is_active]
     client.cancel(active)
-    wait_for(
-        "all jobs to end",
-        lambda: not any(j.state.is_active for j in client.jobs().jobs),
-        timeout=15,
-    )
+    wait_for("all jobs to end", lambda: not any(j.state.is_active for j in client.jobs().jobs))
 
 
 @pytest.fixture

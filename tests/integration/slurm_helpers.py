@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from hpcserve.config import PlatformConfig, parse_config
 from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec, preflight
+from hpcserve.port_reservations import is_reserved
 
 if TYPE_CHECKING:
     from hpcserve.router.server import RouterServer
@@ -18,7 +19,11 @@ T = TypeVar("T")
 
 
 def _ports_free(first: int, count: int = 3) -> bool:
+    """Bindable now, and reserved by no engine that will bind them later (hpcserve.ports
+    draws engines' ports from a range that includes these blocks)."""
     for port in range(first, first + count):
+        if is_reserved(port):
+            return False
         with socket.socket() as s:
             try:
                 s.bind(("0.0.0.0", port))
@@ -47,7 +52,12 @@ def free_port_block() -> int:
 PROCESSES_GONE_S = 45
 
 
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 10) -> T:
+# A state change in the cluster or a service that is seconds here: what a loaded 2-core
+# machine may stretch it to. Waited for with wait_for: it returns as soon as it happened.
+STATE_CHANGE_S = 60
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = STATE_CHANGE_S) -> T:
     deadline = time.monotonic() + timeout
     while True:
         value = probe()

@@ -26,7 +26,9 @@ from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.tracing import Tracing
 from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
+from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
+from tests.routers import count_quota_reports_once_complete
 from tests.services import gateways, sim_engine_argv, wait_healthy
 
 MODEL = "tiny"
@@ -89,7 +91,7 @@ def make_gateway(router: RouterServer, **overrides: object) -> Gateway:
         api_keys=[ApiKey(tenant=t, sha256=hash_api_key(key(t))) for t in TENANTS],
         tenants=list(TENANTS.values()),
         quota_sync_s=0.05,
-        route_timeout_s=1.0,
+        route_timeout_s=60.0,  # the router (a thread here) answers however loaded the machine
         **overrides,  # type: ignore[arg-type]
     )
     return Gateway(config, routing_endpoint=router.config.routing_bind, configured_models={MODEL})
@@ -190,14 +192,16 @@ def test_allowed_models_is_a_403(client: TestClient) -> None:
 def test_max_concurrent(router: RouterServer, engines: dict[str, SimEngine]) -> None:
     register(router, "slow", engines["slow"].url)
     with TestClient(build_app(make_gateway(router))) as client:
-        body = CHAT | {"stream": True, "max_tokens": 40}  # ~2 s on the slow engine
+        # ~20 s on the slow engine: still running however long this process is descheduled
+        # before the second request (the first is cancelled when its stream is closed)
+        body = CHAT | {"stream": True, "max_tokens": 400}
         with client.stream("POST", "/v1/chat/completions", json=body, headers=auth("single")):
             second = client.post("/v1/chat/completions", json=CHAT, headers=auth("single"))
             assert second.status_code == 429
             assert second.headers["Retry-After"] == "1"
             assert "max_concurrent" in second.json()["error"]["message"]
         # Once the first one is over, the tenant may run one again.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while client.post("/v1/chat/completions", json=CHAT, headers=auth("single")).is_error:
             assert time.monotonic() < deadline, "the first request's slot was never freed"
             time.sleep(0.2)
@@ -207,6 +211,7 @@ def test_limits_hold_across_two_gateways(
     router: RouterServer, engines: dict[str, SimEngine]
 ) -> None:
     register(router, "fast", engines["fast"].url)
+    answered = count_quota_reports_once_complete(router, 4)
     with (
         TestClient(build_app(make_gateway(router))) as one,
         TestClient(build_app(make_gateway(router))) as two,
@@ -214,7 +219,10 @@ def test_limits_hold_across_two_gateways(
         for _ in range(2):
             assert one.post("/v1/chat/completions", json=CHAT, headers=auth("free")).is_success
             assert two.post("/v1/chat/completions", json=CHAT, headers=auth("free")).is_success
-        time.sleep(0.3)  # a few sync intervals
+        wait_for(
+            "each gateway to hold the other's totals",
+            lambda: len(answered) == 2 and min(answered.values()) >= 2,
+        )
         # 4 of 4 used between the two: each gateway alone has seen only 2.
         assert one.post("/v1/chat/completions", json=CHAT, headers=auth("free")).status_code == 429
         assert two.post("/v1/chat/completions", json=CHAT, headers=auth("free")).status_code == 429
@@ -312,6 +320,7 @@ def test_limits_hold_across_two_gateway_processes(
         "tenants": [{"name": "free", "requests_per_min": 4}],
         "api_keys": [{"tenant": "free", "sha256": hash_api_key(key("free"))}],
     }
+    answered = count_quota_reports_once_complete(router, 4)
     with gateways(router.config, gateway, tmp_path, model=MODEL) as urls:
 
         def post(url: str) -> int:
@@ -320,5 +329,8 @@ def test_limits_hold_across_two_gateway_processes(
             ).status_code
 
         assert [post(urls[0]), post(urls[1]), post(urls[0]), post(urls[1])] == [200] * 4
-        time.sleep(0.5)  # several sync intervals
+        wait_for(
+            "each gateway to hold the other's totals",
+            lambda: len(answered) == 2 and min(answered.values()) >= 2,
+        )
         assert [post(urls[0]), post(urls[1])] == [429, 429]

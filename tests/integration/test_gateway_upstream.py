@@ -16,7 +16,9 @@ from hpcserve.config import dump_config, hash_api_key, parse_config
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.router.client import RouterQueryError, list_replicas
 from hpcserve.router.server import RouterServer
+from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
+from tests.routers import ports_free
 from tests.services import gateway_argv, service
 
 KEY = "sk-upstream-test"
@@ -30,7 +32,9 @@ def gateway(router: RouterServer, tmp_path: Path) -> Iterator[str]:
         "router": {"registry_bind": router.config.registry_bind,
                    "routing_bind": router.config.routing_bind,
                    "lease_s": router.config.lease_s, "heartbeat_s": router.config.heartbeat_s},
-        "gateway": {"port": port, "upstream_timeout_s": 0.5, "route_timeout_s": 1.0,
+        # upstream_timeout_s: a tenth of the silent engine's answer, and 200 of its tokens'
+        # time apart, so that no stream stalls past it on a loaded machine
+        "gateway": {"port": port, "upstream_timeout_s": 2.0, "route_timeout_s": 1.0,
                     "replica_view_s": 0.2,
                     "api_keys": [{"tenant": "t", "sha256": hash_api_key(KEY)},
                                  {"tenant": "abandoner", "sha256": hash_api_key(METERED_KEY)}],
@@ -54,7 +58,8 @@ def test_client_disconnect_mid_stream_cancels_the_engine_request(
     gateway: str,
     router: RouterServer,
 ) -> None:
-    body = {"model": "sim", "prompt": "x", "max_tokens": 1000, "stream": True}  # ~10 s
+    # ~60 s: unless the engine stops when the client goes, it still runs after the wait below
+    body = {"model": "sim", "prompt": "x", "max_tokens": 6000, "stream": True}
     with httpx.stream(
         "POST",
         gateway + "/v1/completions",
@@ -70,7 +75,7 @@ def test_client_disconnect_mid_stream_cancels_the_engine_request(
         assert not any('"usage"' in event for event in events)
         assert running_in_engine(router) == 1
     # The client hung up: the gateway drops the engine connection and the engine stops.
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 30
     while running_in_engine(router) != 0:
         assert time.monotonic() < deadline, "the engine kept generating for a gone client"
         time.sleep(0.05)
@@ -100,8 +105,8 @@ def test_an_engine_silent_past_the_upstream_timeout_is_a_504(
         gateway + "/v1/completions",
         timeout=10,
         headers={"Authorization": f"Bearer {KEY}"},
-        json={"model": "sim", "prompt": "x", "max_tokens": 200},
-    )  # ~2 s
+        json={"model": "sim", "prompt": "x", "max_tokens": 2000},
+    )  # ~20 s
     assert response.status_code == 504
     error = response.json()["error"]
     assert error["code"] == "upstream_timeout"
@@ -121,9 +126,9 @@ def test_requests_keep_flowing_on_the_last_known_replicas_while_the_router_is_aw
         ).status_code
 
     assert complete() == 200
-    time.sleep(0.5)  # the gateway copies the replica set every 0.2 s
+    time.sleep(2.0)  # the gateway copies the replica set every 0.2 s (10 times meanwhile)
     router.stop()
-    time.sleep(0.5)  # the router's loop ends within one tick (0.25 s here)
+    wait_for("the router's sockets closed", lambda: ports_free(router.config))
     with pytest.raises(RouterQueryError):
         list_replicas(router.config.routing_bind, timeout_s=1.0)
     assert [complete() for _ in range(5)] == [200] * 5, "routed on the last known set"

@@ -145,7 +145,7 @@ def test_xid_79_takes_the_replica_out_drains_the_node_and_moves_the_capacity(
     config = health_config(cluster, router, tmp_path, "hx1")
     manager = PoolManager(config, slurm)
 
-    def poll_until(what: str, condition: Any, timeout: float = 30) -> Any:
+    def poll_until(what: str, condition: Any, timeout: float = 60) -> Any:
         return wait_for(what, lambda: (manager.poll_once(), condition())[1], timeout=timeout)
 
     poll_until("a serving replica", lambda: len(serving_jobs(router)) == 1)
@@ -201,7 +201,7 @@ def test_xid_79_on_a_worker_node_of_a_two_node_replica_drains_that_node(
     )
     manager = PoolManager(config, slurm)
 
-    def poll_until(what: str, condition: Any, timeout: float = 30) -> Any:
+    def poll_until(what: str, condition: Any, timeout: float = 60) -> Any:
         return wait_for(what, lambda: (manager.poll_once(), condition())[1], timeout=timeout)
 
     poll_until("a serving two-node replica", lambda: len(serving_jobs(router)) == 1)

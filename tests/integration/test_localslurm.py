@@ -1,7 +1,8 @@
 """A real two-node Slurm cluster (hpcserve.localslurm) driven through SlurmCLI.
 
 The cluster runs in a temporary state dir on its own ports (not the demo's 16817); jobs start
-within about a second, so every test here finishes in a few seconds.
+within about a second, so every test here finishes in a few seconds. Waits on Slurm end at the
+state change, with deadlines (SLURM_S) a loaded 2-core machine does not reach.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import re
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -24,6 +24,8 @@ from tests.integration.slurm_helpers import conf_processes, free_port_block, wai
 pytestmark = pytest.mark.slurm
 
 T = TypeVar("T")
+# A state change of a job or node: about a second here, tens of seconds on a loaded machine.
+SLURM_S = 60
 GPU1 = "#!/bin/bash\n#SBATCH --gres=gpu:1\nsleep 30\n"
 GPU4 = "#!/bin/bash\n#SBATCH --gres=gpu:4\nsleep 30\n"
 
@@ -40,10 +42,10 @@ def job(slurm: SlurmCLI, job_id: int) -> SlurmJob:
 
 def test_start_is_idempotent(cluster: LocalSlurm) -> None:
     assert cluster.is_running()
-    started = time.monotonic()
+    daemons = cluster._our_daemon_pids()
     cluster.start()
-    assert time.monotonic() - started < 5
     assert cluster.is_running()
+    assert cluster._our_daemon_pids() == daemons, "the running daemons were kept"
     assert cluster.env()["SLURM_CONF"] == str(cluster.conf_path)
 
 
@@ -59,21 +61,18 @@ def test_both_nodes_idle(slurm: SlurmCLI) -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", slurm.release())
 
 
-def test_trivial_job_runs_within_seconds(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
-    started = time.monotonic()
+def test_trivial_job_runs(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
     job_id = submit(slurm, cluster, GPU1, "-J", "hpcs-trivial")
     running = wait_for(
         "the job to run",
         lambda: (j := job(slurm, job_id)).state is JobState.RUNNING and j,
-        timeout=5,
+        timeout=SLURM_S,
     )
-    took = time.monotonic() - started
     assert running.nodes in (["n1"], ["n2"])
     assert running.batch_host == running.nodes[0]
     assert running.name == "hpcs-trivial"
     assert running.partition == "gpu"
     assert running.start_time is not None
-    assert took < 3, f"job took {took:.2f} s to start"
     before = slurm.calls["squeue"]
     snap = slurm.jobs(name_prefix="hpcs-")
     assert slurm.calls["squeue"] == before + 1
@@ -91,7 +90,7 @@ def test_three_full_node_jobs_two_run_one_waits(slurm: SlurmCLI, cluster: LocalS
             return jobs
         return None
 
-    jobs = wait_for("two running jobs and one pending on Resources", settled, timeout=8)
+    jobs = wait_for("two running jobs and one pending on Resources", settled, timeout=SLURM_S)
     running = [j for j in jobs if j.state is JobState.RUNNING]
     assert sorted(n for j in running for n in j.nodes) == ["n1", "n2"]
     (pending,) = [j for j in jobs if j.state is JobState.PENDING]
@@ -102,7 +101,7 @@ def test_three_full_node_jobs_two_run_one_waits(slurm: SlurmCLI, cluster: LocalS
     wait_for(
         "all three cancelled",
         lambda: all(job(slurm, i).state is JobState.CANCELLED for i in ids),
-        timeout=15,
+        timeout=SLURM_S,
     )
 
 
@@ -111,27 +110,29 @@ def test_held_job_pends_with_reason(slurm: SlurmCLI, cluster: LocalSlurm) -> Non
     held = wait_for(
         "the held reason",
         lambda: (j := job(slurm, job_id)).state_reason.startswith("JobHeld") and j,
-        timeout=5,
+        timeout=SLURM_S,
     )
     assert held.state is JobState.PENDING
     assert held.state_reason in ("JobHeldUser", "JobHeldAdmin")
     assert held.nodes == [] and held.time_limit_s is None
     slurm.cancel([job_id])
-    wait_for("cancelled", lambda: job(slurm, job_id).state is JobState.CANCELLED, timeout=5)
+    wait_for("cancelled", lambda: job(slurm, job_id).state is JobState.CANCELLED, timeout=SLURM_S)
 
 
 def test_usr1_to_the_batch_shell_drains_the_job(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
     marker = cluster.state_dir / "drained.txt"
+    trapped = cluster.state_dir / "trapped.txt"
     script = (
         "#!/bin/bash\n#SBATCH --gres=gpu:1\n"
         f"trap 'echo drained > {marker}; kill $child; exit 0' USR1\n"
-        "sleep 60 & child=$!\nwait $child\n"
+        f"sleep 60 & child=$!\ntouch {trapped}\nwait $child\n"
     )
     job_id = submit(slurm, cluster, script, "-J", "hpcs-drain")
-    wait_for("running", lambda: job(slurm, job_id).state is JobState.RUNNING, timeout=5)
-    time.sleep(0.3)  # let bash install the trap
+    wait_for("running", lambda: job(slurm, job_id).state is JobState.RUNNING, timeout=SLURM_S)
+    # RUNNING comes before the script runs: signal it once its trap is in place
+    wait_for("the trap installed", trapped.exists, timeout=SLURM_S)
     slurm.cancel([job_id], signal="USR1", batch_only=True)
-    wait_for("completed", lambda: job(slurm, job_id).state is JobState.COMPLETED, timeout=10)
+    wait_for("completed", lambda: job(slurm, job_id).state is JobState.COMPLETED, timeout=SLURM_S)
     assert marker.read_text() == "drained\n"
     # signalling a job that has ended is not an error
     slurm.cancel([job_id], signal="USR1", batch_only=True)
@@ -142,7 +143,7 @@ def test_drain_and_resume_a_node(slurm: SlurmCLI) -> None:
     n1 = wait_for(
         "n1 drained",
         lambda: next((n for n in slurm.nodes() if n.name == "n1" and n.drained), None),
-        5,
+        SLURM_S,
     )
     assert "DRAIN" in n1.state
     assert n1.reason == "xid 79 (test)"
@@ -150,7 +151,7 @@ def test_drain_and_resume_a_node(slurm: SlurmCLI) -> None:
     n1 = wait_for(
         "n1 idle again",
         lambda: next((n for n in slurm.nodes() if n.name == "n1" and n.state == ["IDLE"]), None),
-        5,
+        SLURM_S,
     )
     assert n1.reason == ""
 
@@ -171,7 +172,7 @@ def test_failed_daemon_names_its_log(tmp_path: Path) -> None:
 
     broken = Broken(LocalSlurmSpec(tmp_path / "broken", ctld_port=free_port_block()))
     with pytest.raises(LocalSlurmError) as info:
-        broken.start(timeout=10)
+        broken.start(timeout=SLURM_S)
     assert str(broken.ctld_log) in str(info.value)
     assert "NoSuchSlurmKey" in str(info.value)
     assert conf_processes(broken.conf_path) == []
@@ -195,15 +196,15 @@ def _sleeping(cluster: LocalSlurm) -> bool:
 def test_stop_leaves_no_process(cluster: LocalSlurm) -> None:
     client = SlurmCLI(cluster.env(), timeout_s=10)
     job_id = submit(client, cluster, GPU1, "-J", "hpcs-left-running")
-    wait_for("running", lambda: job(client, job_id).state is JobState.RUNNING, timeout=30)
+    wait_for("running", lambda: job(client, job_id).state is JobState.RUNNING, timeout=SLURM_S)
     # RUNNING comes before the job's processes: wait for its script's `sleep 30` itself
-    wait_for("the job's sleep", lambda: _sleeping(cluster), timeout=30)
+    wait_for("the job's sleep", lambda: _sleeping(cluster), timeout=SLURM_S)
     # A job process no slurmstepd tracks (proctrack/linuxproc loses one whose parent exits
     # first; a job launched as the daemons stop starts after stop() looked): it goes too.
     stray = subprocess.Popen(["sleep", "60"], env={**cluster.env(), "SLURM_JOB_ID": "999999"})
     try:
         cluster.stop()
-        assert stray.wait(5) == -signal.SIGKILL
+        assert stray.wait(SLURM_S) == -signal.SIGKILL
     finally:
         stray.kill()
         stray.wait()

@@ -117,7 +117,7 @@ class MultiNodeReplica:
             with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
                 return parse_vllm_load(resp.read().decode()).running >= 1
 
-        wait_for("the request to run", running, timeout=30)
+        wait_for("the request to run", running)
         return thread, result
 
     def drain_and_wait(
@@ -126,7 +126,7 @@ class MultiNodeReplica:
         """What the pool manager does to drain a replica; the request must still be running
         when the replica has left routing."""
         self.slurm.cancel([job.job_id], signal="USR1", batch_only=True)
-        wait_for("the replica to leave routing", lambda: not self.replicas(), timeout=5)
+        wait_for("the replica to leave routing", lambda: not self.replicas())
         assert in_flight.is_alive(), "the drain should overlap the request in flight"
         wait_for("the job to end", lambda: not self.job().state.is_active, timeout=timeout)
         return self.job()
@@ -151,7 +151,7 @@ def test_sim_replica_across_two_nodes_serves_registers_once_and_drains(replica_f
         "engine_args": ["--decode-ms-per-token", "10"],
     }
     replica = replica_for("mn1", pool)
-    job, info = replica.start(timeout=30)
+    job, info = replica.start(timeout=120)
     assert job.nodes == ["n1", "n2"] and job.state is JobState.RUNNING
     # One replica, registered by rank 0 on the head node.
     assert (info.slurm_job_id, info.node, info.pool) == (job.job_id, "n1", "p")
@@ -160,11 +160,13 @@ def test_sim_replica_across_two_nodes_serves_registers_once_and_drains(replica_f
     assert len(engines) == 2 and all("--nnodes 2" in p for p in engines), procs
     assert len([p for p in procs if "sim_engine --headless" in p]) == 1, procs
 
-    in_flight, result = replica.start_request(info.url, 300)  # 3 s of decoding
-    ended = replica.drain_and_wait(job, in_flight, timeout=30)
-    in_flight.join(10)
+    # 6 s of decoding: time for the drain to take the replica out of routing on a loaded
+    # machine before the request ends
+    in_flight, result = replica.start_request(info.url, 600)
+    ended = replica.drain_and_wait(job, in_flight, timeout=120)
+    in_flight.join(120)
     assert result and result[0]["choices"][0]["finish_reason"] == "length"
-    assert result[0]["usage"]["completion_tokens"] == 300, "the request in flight finished"
+    assert result[0]["usage"]["completion_tokens"] == 600, "the request in flight finished"
     assert ended.state is JobState.COMPLETED
     wait_for(
         "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
@@ -183,12 +185,12 @@ def test_a_lost_rank_fails_the_replica(replica_for: Any) -> None:
     replica = replica_for(
         "mn2", {"engine": "sim", "model_path": "/nonexistent", "pipeline_parallel": 2}
     )
-    job, _ = replica.start(timeout=30)
+    job, _ = replica.start(timeout=120)
     # Rank 1's "vLLM" dies: its engine fails; rank 0 sees it go and deregisters.
     (headless,) = [p for p in job_processes(job.job_id) if "sim_engine --headless" in p]
     os.kill(int(headless.split(":")[0]), signal.SIGKILL)
-    wait_for("the replica to leave routing", lambda: not replica.replicas(), timeout=10)
-    wait_for("the job to end", lambda: not replica.job().state.is_active, timeout=30)
+    wait_for("the replica to leave routing", lambda: not replica.replicas())
+    wait_for("the job to end", lambda: not replica.job().state.is_active)
     assert replica.job().state is JobState.FAILED
     wait_for(
         "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
@@ -225,7 +227,9 @@ def test_vllm_tensor_parallel_across_two_nodes_serves_and_drains(
     assert result and result[0]["choices"][0]["finish_reason"] == "length"
     assert result[0]["usage"]["completion_tokens"] == 480, "the request in flight finished"
     assert ended.state is JobState.COMPLETED
-    wait_for("no process of the job", lambda: not job_processes(job.job_id), timeout=30)
+    wait_for(
+        "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
+    )
     log = replica.log(job)
     assert "headless multiproc executor" in log  # rank 1 ran vLLM's headless workers
     assert log.index("the head engine closed the link") > log.index("engine stopped")

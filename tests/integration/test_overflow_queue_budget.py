@@ -107,11 +107,15 @@ def test_over_the_queue_budget_overflows_if_allowed_and_queues_if_data_resident(
 
         # Idle replica: a tenant that may overflow is served here.
         assert post("bursty", 2)["model"] == MODEL
-        # One request runs (~1 s), one waits behind it; the engine reports the queue.
+        # One request runs (~3 s: the queue is still there however long this process is
+        # descheduled before the next post), a short one waits behind it; the engine reports
+        # the queue.
         started = time.monotonic()
-        running = [pool.submit(post, "open", 50) for _ in range(2)]
         (replica,) = router.registry
-        wait_for("the engine to report a queue", lambda: replica.load.waiting >= 1, timeout=10)
+        running = [pool.submit(post, "open", 150)]
+        wait_for("the long request to run", lambda: replica.load.running >= 1)
+        running.append(pool.submit(post, "open", 2))
+        wait_for("the engine to report a queue", lambda: replica.load.waiting >= 1)
         # Nothing has completed for 0.4 s: the router reckons each completion takes as long.
         time.sleep(max(0.0, started + 0.4 - time.monotonic()))
 
@@ -121,13 +125,13 @@ def test_over_the_queue_budget_overflows_if_allowed_and_queues_if_data_resident(
         assert sample(generate_latest(router_metrics).decode(), routes) == 1
         # A data-resident tenant never leaves: it queues here and is served when its turn comes.
         resident = pool.submit(post, "resident", 2)
-        assert resident.result(timeout=30)["model"] == MODEL
-        assert [f.result(timeout=30)["model"] for f in running] == [MODEL, MODEL]
+        assert resident.result(timeout=120)["model"] == MODEL
+        assert [f.result(timeout=120)["model"] for f in running] == [MODEL, MODEL]
         overflow = 'hpcserve_gateway_overflow_total{model="tiny",tenant="bursty"}'
         assert metric(client, overflow) == 1
         assert metric(client, overflow.replace("bursty", "resident")) == 0
         # Idle again: the tenant that may overflow is served here.
-        wait_for("the engine to report idle", lambda: replica.load.running == 0, timeout=10)
+        wait_for("the engine to report idle", lambda: replica.load.running == 0)
         assert post("bursty", 2)["model"] == MODEL
 
 

@@ -99,7 +99,7 @@ def test_new_replicas_go_to_the_node_whose_cache_holds_the_model(
     wait_for(
         "n1 to be free",
         lambda: not any(j.job_id == blocker and j.state.is_active for j in slurm.jobs().jobs),
-        timeout=20,
+        timeout=60,
     )
     # The control first: a model no node holds goes where Slurm alone puts it.
     caplog.set_level("INFO", logger="hpcserve.poolmgr.manager")
@@ -132,7 +132,7 @@ def test_new_replicas_go_to_the_node_whose_cache_holds_the_model(
             usage = registry.usage()
         return usage if len(usage) == 3 else None
 
-    usage = wait_for("the registry to record the 3 replicas", recorded, timeout=30)
+    usage = wait_for("the registry to record the 3 replicas", recorded, timeout=60)
     assert sorted(ref for _, ref in usage) == ["m@1", "m@1", "other@1"]
     with Registry(tmp_path / "registry.sqlite3") as registry, pytest.raises(InUseError):
         registry.remove("m@1")
@@ -191,7 +191,7 @@ def test_a_pinned_replica_whose_node_is_drained_is_replaced_unpinned(
             jobs = _jobs(slurm, "pw", "p")
             return jobs[0] if len(jobs) == 1 and jobs[0].job_id != pinned.job_id else None
 
-        replacement = wait_for("the stranded job's replacement", replaced, timeout=30)
+        replacement = wait_for("the stranded job's replacement", replaced, timeout=60)
         assert replacement.required_nodes == []
         assert [r for r in caplog.records if "replacing it unpinned" in r.message]
     finally:
@@ -213,7 +213,7 @@ def test_a_pinned_replica_that_loses_its_node_to_another_job_is_replaced_unpinne
         free = [n for n in nodes if n.name == "n2" and free_gpus(n) == 4 and n.state == ["IDLE"]]
         return nodes if free else None
 
-    wait_for("n2 to be up and idle", n2_free, timeout=20)
+    wait_for("n2 to be up and idle", n2_free, timeout=60)
     manager.poll_once()
     (pinned,) = _jobs(slurm, "pr", "p")
     assert (pinned.required_nodes, pinned.state_reason) == (["n2"], "BeginTime")
@@ -224,7 +224,7 @@ def test_a_pinned_replica_that_loses_its_node_to_another_job_is_replaced_unpinne
     wait_for(
         "the other job to take n2",
         lambda: any(j.job_id == blocker and j.nodes == ["n2"] for j in slurm.jobs().jobs),
-        timeout=20,
+        timeout=60,
     )
     reasons: set[str] = set()
 
@@ -234,7 +234,7 @@ def test_a_pinned_replica_that_loses_its_node_to_another_job_is_replaced_unpinne
         reasons.update(j.state_reason for j in jobs if j.job_id == pinned.job_id)
         return jobs[0] if len(jobs) == 1 and jobs[0].job_id != pinned.job_id else None
 
-    replacement = wait_for("the pinned job's replacement", replaced, timeout=40)
+    replacement = wait_for("the pinned job's replacement", replaced, timeout=60)
     assert replacement.required_nodes == []
     assert reasons & {"Resources", "Priority"}, reasons
     (warning,) = [r.getMessage() for r in caplog.records if "replacing it unpinned" in r.message]

@@ -3,7 +3,6 @@ quota book learns the last minute back from the gateways (router/quota_book.py).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,13 @@ from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
-from tests.routers import loopback_router_config, ports_free, running_router
+from tests.routers import (
+    count_quota_reports_once_complete,
+    loopback_router_config,
+    ports_free,
+    running_router,
+    used_in_quota_book,
+)
 from tests.services import gateways, service, sim_engine_argv
 
 MODEL = "tiny"
@@ -35,10 +40,6 @@ def start_router(config: RouterConfig, engine_url: str) -> Iterator[RouterServer
     with running_router(config) as router:
         router.registry.register(p.Register("fast", MODEL, engine_url), now=1e12)
         yield router
-
-
-def used_in_book(router: RouterServer) -> int:
-    return sum(t.requests for t in router.quotas.others("nobody", time.monotonic()))
 
 
 def test_limits_hold_across_a_router_restart_under_two_gateways(
@@ -62,17 +63,21 @@ def test_limits_hold_across_a_router_restart_under_two_gateways(
     router = next(first)
     with gateways(config, gateway, tmp_path, model=MODEL) as urls:
         assert [post(urls[0]), post(urls[1]), post(urls[0]), post(urls[1])] == [200] * 4
-        wait_for("the book to hold 4 requests", lambda: used_in_book(router) == 4, timeout=10)
+        wait_for("the book to hold 4 requests", lambda: used_in_quota_book(router) == 4)
         epoch = router.quotas.epoch
 
         first.close()  # the router stops; a new one starts on the same sockets, book empty
         # The old sockets close in libzmq's I/O thread: the ports free up a moment later.
-        wait_for("the router's ports to be free", lambda: ports_free(config), timeout=10)
+        wait_for("the router's ports to be free", lambda: ports_free(config))
         second = start_router(config, engine_url)
         router = next(second)
-        assert router.quotas.epoch != epoch and used_in_book(router) == 0
+        assert router.quotas.epoch != epoch and used_in_quota_book(router) == 0
+        answered = count_quota_reports_once_complete(router, 4)
         # Each gateway sees the new epoch and sends its whole minute back.
-        wait_for("the gateways to re-send", lambda: used_in_book(router) == 4, timeout=10)
-        time.sleep(0.2)  # a few sync intervals: each gateway has the other's totals
+        wait_for("the gateways to re-send", lambda: used_in_quota_book(router) == 4)
+        wait_for(
+            "each gateway to hold the other's totals",
+            lambda: len(answered) == 2 and min(answered.values()) >= 2,
+        )
         assert [post(urls[0]), post(urls[1])] == [429, 429]
         second.close()

@@ -26,7 +26,13 @@ REPLICA = p.Register(
 )
 
 
-async def until(what: str, probe, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+# Out of reach while a router runs (a thread of this process, which may be descheduled for
+# seconds); short only while no router is there, for the fallback on the last known set.
+UNREACHED_S = 60.0
+AWAY_S = 0.5
+
+
+async def until(what: str, probe, timeout: float = UNREACHED_S) -> None:  # type: ignore[no-untyped-def]
     async with asyncio.timeout(timeout):
         while not probe():
             await asyncio.sleep(0.02)
@@ -38,7 +44,7 @@ def start(stack: ExitStack, config: RouterConfig, registry_db: Path) -> RouterSe
     agent = RegistryAgent(config.registry_bind, REPLICA)  # the engine (re-)registers
     stack.callback(agent.close)
     agent.register()
-    agent.process_replies(5.0)
+    agent.process_replies(30.0)
     assert agent.registered
     return router
 
@@ -55,7 +61,7 @@ def test_in_flight_requests_are_re_declared_and_aliases_route_while_the_router_i
     registry_db = alias_registry(tmp_path)  # alias extraction -> docs@1
 
     async def scenario() -> None:
-        client = RoutingClient(config.routing_bind, timeout_s=0.5, view_refresh_s=0.05)
+        client = RoutingClient(config.routing_bind, timeout_s=UNREACHED_S, view_refresh_s=0.05)
         await client.start()
         try:
             with ExitStack() as first:
@@ -68,9 +74,11 @@ def test_in_flight_requests_are_re_declared_and_aliases_route_while_the_router_i
             await until("the ports to be free", lambda: ports_free(config))
 
             # No router: the last known set serves, an alias by its target's served name.
+            client.timeout_s = AWAY_S
             fallback = await client.route("extraction")
             assert (fallback.replica_id, fallback.model) == ("a", "docs")
             client.release("a", "extraction")  # finished before any router counted it
+            client.timeout_s = UNREACHED_S
 
             with ExitStack() as second:
                 router = start(second, config, registry_db)

@@ -15,7 +15,7 @@ def client(router):
     config = GatewayConfig(
         api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))],
         max_body_bytes=1000,
-        route_timeout_s=1.0,
+        route_timeout_s=60.0,  # the router (a thread here) answers however loaded the machine
     )
     gateway = Gateway(
         config, routing_endpoint=router.config.routing_bind, configured_models={"tiny"}

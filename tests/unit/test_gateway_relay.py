@@ -74,7 +74,14 @@ SSE_HEAD = (
 CHOICE = {"index": 0, "delta": {"content": "hi"}}
 
 
-async def forward(url: str, *, stream: bool = False, timeout_s: float = 2.0, **kwargs: bool):  # type: ignore[no-untyped-def]
+# Out of reach unless a test shortens it: the engine answers on the same loop, so a process
+# descheduled for seconds must not turn a prompt answer into a timeout.
+UNREACHED_S = 60.0
+
+
+async def forward(
+    url: str, *, stream: bool = False, timeout_s: float = UNREACHED_S, **kwargs: bool
+):  # type: ignore[no-untyped-def]
     relay = Relay(upstream_timeout_s=timeout_s)
     await relay.start()
     exchange = Exchange()
@@ -249,14 +256,14 @@ def test_a_client_gone_mid_stream_closes_the_engine_connection() -> None:
 
     async def scenario() -> list[object]:
         async with engine(endless) as url:
-            relay = Relay(upstream_timeout_s=2.0)
+            relay = Relay(upstream_timeout_s=UNREACHED_S)
             exchange = Exchange()
             response = await relay.forward(url, b"{}", {}, stream=True, exchange=exchange)
             assert isinstance(response, StreamingResponse)
             chunks = response.body_iterator
             assert (await anext(chunks)).startswith(b"data: ")  # type: ignore[union-attr]
             await chunks.aclose()  # type: ignore[attr-defined]
-            await asyncio.wait_for(closed.wait(), 2.0)
+            await asyncio.wait_for(closed.wait(), UNREACHED_S)
             await relay.close()
             return exchange.events
 

@@ -12,6 +12,10 @@ from hpcserve.gateway.zmtp_dealer import encode_message, parse_endpoint
 from hpcserve.router import protocol as p
 from tests.ports import free_port
 
+# Out of reach unless a test shortens it: the router answers from the same loop, so a process
+# descheduled for seconds must not turn a prompt answer into RouterUnavailable.
+UNREACHED_S = 60.0
+
 
 class FakeRouter:
     """A libzmq ROUTER answering Routes with replica r1 and ListReplicas with nothing."""
@@ -55,7 +59,7 @@ def test_releases_fold_into_the_next_route_or_are_sent_alone() -> None:
     async def scenario() -> tuple[list[object], list[p.RoutingMessage]]:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         router = FakeRouter(endpoint)
-        client = RoutingClient(endpoint, timeout_s=2)
+        client = RoutingClient(endpoint, timeout_s=UNREACHED_S)
         await client.start()
         try:
             client.release("r0")
@@ -83,7 +87,7 @@ def test_routes_of_one_loop_iteration_leave_as_one_message_and_long_frames_pass(
     async def scenario() -> tuple[list[p.RouteReply], list[p.RoutingMessage]]:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         router = FakeRouter(endpoint)
-        client = RoutingClient(endpoint, timeout_s=2)
+        client = RoutingClient(endpoint, timeout_s=UNREACHED_S)
         await client.start()
         try:
             await asyncio.gather(client.route("warm-up"), router.next())
@@ -109,6 +113,7 @@ def test_no_router_costs_router_unavailable_then_a_late_router_is_used() -> None
         try:
             with pytest.raises(RouterUnavailable, match=r"route_timeout_s"):
                 await client.route("m")
+            client.timeout_s = UNREACHED_S  # the late router's answer is not raced
             router = FakeRouter(endpoint)
             try:
                 client.view.router_away = False  # no replica set known: ask the router
@@ -152,7 +157,7 @@ def test_a_route_whose_request_gave_up_is_released_when_its_reply_comes() -> Non
     async def scenario() -> list[p.RoutingMessage]:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         router = FakeRouter(endpoint)
-        client = RoutingClient(endpoint, timeout_s=2)
+        client = RoutingClient(endpoint, timeout_s=UNREACHED_S)
         await client.start()
         try:
             asking = asyncio.ensure_future(client.route("m"))

@@ -212,8 +212,19 @@ async def stall(body: bytes, reader: asyncio.StreamReader, writer: asyncio.Strea
 
 
 def client(**kwargs: float) -> UpstreamClient:
-    options = {"first_byte_timeout_s": 2.0, "idle_timeout_s": 2.0, "connect_timeout_s": 2.0}
+    # Out of reach unless a test shortens one: the server answers on the same loop, so a
+    # process descheduled for seconds must not turn a prompt answer into a timeout.
+    options = {"first_byte_timeout_s": 60.0, "idle_timeout_s": 60.0, "connect_timeout_s": 60.0}
     return UpstreamClient(**{**options, **kwargs})  # type: ignore[arg-type]
+
+
+async def until(what: str, probe: Callable[[], bool], timeout: float = 60.0) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            while not probe():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
 def test_keep_alive_reuses_one_connection_with_nodelay_set() -> None:
@@ -258,7 +269,8 @@ def test_idle_connections_are_reused_last_in_first_out_within_the_bound() -> Non
                 asyncio.ensure_future(upstream.request("POST", server.url + "/slow", b"", {}))
                 for _ in range(5)
             ]
-            await asyncio.sleep(0.1)
+            await until("two connections", lambda: server.open == 2)
+            await asyncio.sleep(0.1)  # the other three stay waiting (most_open is checked too)
             assert server.open == 2, "two connections at most, the other three wait"
             gate.set()
             ports = set()
@@ -309,8 +321,7 @@ def test_a_connection_the_upstream_closed_is_replaced() -> None:
             for _ in range(3):
                 response = await upstream.request("POST", server.url + "/once", b"x", {})
                 assert (await response.read()).endswith(b":x")
-                await asyncio.sleep(0.05)
-                assert upstream.idle_connections() == 0, "the closed one left the pool"
+                await until("the closed one left the pool", lambda: not upstream.idle_connections())
             assert server.connections == 3
             assert upstream.open_connections() == 0
             await upstream.close()
@@ -472,7 +483,7 @@ def test_a_caller_that_goes_away_closes_the_upstream_connection() -> None:
             waiting.cancel()  # as when the gateway's client disconnects
             with contextlib.suppress(asyncio.CancelledError):
                 await waiting
-            await asyncio.wait_for(server.closed.wait(), 1.0)
+            await asyncio.wait_for(server.closed.wait(), 60)
             assert upstream.open_connections() == 0
             await upstream.close()
 
@@ -539,10 +550,12 @@ def test_an_origin_no_request_goes_to_any_more_is_closed_and_forgotten() -> None
             for server in (gone, staying):
                 await (await upstream.request("POST", server.url + "/echo", b"", {})).read()
             assert upstream.origins() == 2 and upstream.idle_connections() == 2
-            for _ in range(8):  # only `staying` is used from now on
-                await asyncio.sleep(0.1)
-                await (await upstream.request("POST", staying.url + "/echo", b"", {})).read()
-            await asyncio.wait_for(gone.closed.wait(), 2)
+            # Only `staying` is used from now on, back to back: its connection is never idle
+            # across a loop iteration, so no sweep can find it idle however long this
+            # process is descheduled, while `gone`'s ages out.
+            async with asyncio.timeout(60):
+                while not gone.closed.is_set():
+                    await (await upstream.request("POST", staying.url + "/echo", b"", {})).read()
             assert gone.open == 0, "the departed origin's idle socket was closed"
             assert upstream.origins() == 1 and upstream.idle_connections() == 1
             assert all(gone.url not in url for _, url in upstream._targets)
@@ -574,9 +587,11 @@ def test_a_pool_in_use_or_closed_by_its_origin() -> None:
             assert (await response.read()).endswith(b":x")
             assert upstream.origins() == 1 and upstream.idle_connections() == 1
             await (await upstream.request("POST", server.url + "/once", b"", {})).read()
-            await asyncio.wait_for(server.closed.wait(), 2)
-            await asyncio.sleep(0.2)
-            assert upstream.origins() == 0 and upstream.open_connections() == 0
+            await asyncio.wait_for(server.closed.wait(), 60)
+            await until(
+                "the pool forgotten at a sweep",
+                lambda: upstream.origins() == 0 and upstream.open_connections() == 0,
+            )
             await upstream.close()
 
     asyncio.run(scenario())

@@ -80,18 +80,22 @@ def test_engine_probe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     engine = Engine()
     try:
         gpus = state(tmp_path, [{}])
-        config = tmp_path / "hpcserve.toml"
-        config.write_text("[health]\nprobe_deadline_s = 1\n")
-        args = ("--config", str(config), "--node", "n1", "--fake-nvml", gpus)
-        args += ("--engine-url", engine.url, "--model", "m")
-        assert run(capsys, *args)[0] == 0
-        engine.delay_s = 1.5
-        code, lines = run(capsys, *args)
+
+        def args(probe_deadline_s: int) -> tuple[str, ...]:
+            config = tmp_path / f"hpcserve-{probe_deadline_s}.toml"
+            config.write_text(f"[health]\nprobe_deadline_s = {probe_deadline_s}\n")
+            return ("--config", str(config), "--node", "n1", "--fake-nvml", gpus,
+                    "--engine-url", engine.url, "--model", "m")  # fmt: skip
+
+        # The engine (a thread here) answers within a deadline no descheduling reaches...
+        assert run(capsys, *args(60))[0] == 0
+        engine.answering.clear()  # ...or not until the probe has given up
+        code, lines = run(capsys, *args(1))
         assert code == 1
         assert lines[0] == "stop_routing engine_probe: engine probe: no answer within 1s"
-        engine.delay_s = 0
+        engine.answering.set()
         engine.serves = set()
-        code, lines = run(capsys, *args)
+        code, lines = run(capsys, *args(60))
         assert code == 0 and lines[0].startswith("engine probe: cannot probe: engine refused")
     finally:
         engine.server.shutdown()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -19,21 +18,25 @@ class Engine:
 
     def __init__(self) -> None:
         self.serves = {"/v1/completions"}
-        self.delay_s = 0.0
         self.bodies: list[dict[str, object]] = []
+        # Cleared: the engine holds every answer until it is set again (or the test ends).
+        self.answering = threading.Event()
+        self.answering.set()
+        self.answered = 0
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 length = int(self.headers["Content-Length"])
                 engine.bodies.append(json.loads(self.rfile.read(length)))
-                time.sleep(engine.delay_s)
+                engine.answering.wait(60)
                 status = 200 if self.path in engine.serves else 400
                 body = b"{}"
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+                engine.answered += 1
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -51,13 +54,14 @@ class Engine:
 def engine() -> Iterator[Engine]:
     e = Engine()
     yield e
+    e.answering.set()
     e.server.shutdown()
     e.server.server_close()
 
 
 def test_probe_generates_one_greedy_token(engine: Engine) -> None:
     probe = GenerationProbe(engine.url, "m")
-    result = probe.run(5)
+    result = probe.run(60)
     assert result.ok and result.detail == ""
     assert engine.bodies == [{"model": "m", "prompt": "ok", "max_tokens": 1, "temperature": 0}]
 
@@ -65,33 +69,33 @@ def test_probe_generates_one_greedy_token(engine: Engine) -> None:
 def test_probe_finds_what_a_pooling_model_serves(engine: Engine) -> None:
     engine.serves = {"/v1/embeddings"}
     probe = GenerationProbe(engine.url, "m")
-    assert probe.run(5).ok
-    assert probe.run(5).ok
+    assert probe.run(60).ok
+    assert probe.run(60).ok
     paths = [sorted(b) for b in engine.bodies]
     assert paths == [["max_tokens", "model", "prompt", "temperature"], ["input", "model"],
                      ["input", "model"]]  # fmt: skip
     engine.serves = {"/rerank"}
-    assert GenerationProbe(engine.url, "m").run(5).ok
+    assert GenerationProbe(engine.url, "m").run(60).ok
 
 
 def test_probe_misses_its_deadline(engine: Engine) -> None:
-    engine.delay_s = 1.5
+    engine.answering.clear()
     result = GenerationProbe(engine.url, "m").run(0.5)
     assert not result.ok
     assert result.detail == "no answer within 0.5s"
-    assert result.seconds < 1.4
+    assert engine.answered == 0, "it gave up before the answer came"
 
 
 def test_probe_of_a_dead_engine_or_one_that_refuses_everything(engine: Engine) -> None:
     engine.serves = set()
     # It answers, so it is up; no probe fits the model: not a finding (the counters decide).
-    result = GenerationProbe(engine.url, "m").run(5)
+    result = GenerationProbe(engine.url, "m").run(60)
     assert result.ok and result.detail.startswith("cannot probe: engine refused every probe")
     known = GenerationProbe(engine.url, "m")
     engine.serves = {"/v1/completions"}
-    assert known.run(5).ok
+    assert known.run(60).ok
     engine.serves = set()
-    assert known.run(5).detail == "/v1/completions answered 400"
+    assert known.run(60).detail == "/v1/completions answered 400"
     url = engine.url
     engine.server.shutdown()
     engine.server.server_close()

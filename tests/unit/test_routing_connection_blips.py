@@ -13,8 +13,12 @@ from hpcserve.router.server import RouterServer
 from tests.routers import router_with_one_replica
 from tests.tcp_proxy import TcpProxy
 
+# Out of reach unless a test shortens it: the router (a thread of this process) must not be
+# taken for gone because this process was descheduled for seconds.
+UNREACHED_S = 60.0
 
-async def until(what: str, probe: Callable[[], bool], timeout: float = 10.0) -> None:
+
+async def until(what: str, probe: Callable[[], bool], timeout: float = 60.0) -> None:
     try:
         async with asyncio.timeout(timeout):
             while not probe():
@@ -50,7 +54,7 @@ async def gateway_via_proxy(
 
 def test_releases_lost_with_a_connection_leave_no_count_behind() -> None:
     async def scenario() -> None:
-        async with gateway_via_proxy(timeout_s=2.0) as (router, proxy, client):
+        async with gateway_via_proxy(timeout_s=UNREACHED_S) as (router, proxy, client):
             for _ in range(4):
                 assert (await client.route("docs")).replica_id == "a"
             assert in_flight(router) == 4
@@ -74,10 +78,11 @@ def test_releases_lost_with_a_connection_leave_no_count_behind() -> None:
 
 def test_an_in_flight_declaration_lost_with_a_connection_is_sent_again() -> None:
     async def scenario() -> None:
-        async with gateway_via_proxy(timeout_s=0.3) as (router, proxy, client):
+        async with gateway_via_proxy(timeout_s=UNREACHED_S) as (router, proxy, client):
             for _ in range(2):
                 assert (await client.route("docs")).replica_id == "a"
             await until("the replica view", lambda: client.view.age_s() is not None)
+            client.timeout_s = 0.3  # from now on the router is soon given up for away
             proxy.refusing = True  # the router is out of reach
             proxy.cut()
             await until("the router's count of the lost connection", lambda: in_flight(router) == 0)
@@ -100,7 +105,7 @@ def test_releases_queued_when_the_deadline_check_runs_are_still_sent() -> None:
     # queued message that was not a pending request, Releases included (the stress test
     # saw 7 of 512 counts stuck in CI), and the router counted those requests forever.
     async def scenario() -> None:
-        async with gateway_via_proxy(timeout_s=2.0) as (router, _, client):
+        async with gateway_via_proxy(timeout_s=UNREACHED_S) as (router, _, client):
             for _ in range(3):
                 assert (await client.route("docs")).replica_id == "a"
             assert in_flight(router) == 3
