@@ -32,6 +32,14 @@ machine then do not slow each other down, as engines on their own GPUs do not. E
 records where every thread may run and last ran (`placement`) and stops if a pinning did
 not take.
 
+Runner: `--runner process` (the default) runs the batch in `hpcserve batch-runner`, a
+process of its own beside the gateway (batch.runner = "process"); `--runner gateway` in
+the gateway that also serves the probes (batch.runner = "gateway", as before 2026-11-30
+evening); `--runner gateway,process` runs one batch phase with each, side by side in one
+round. The runner process runs on `--runner-cpus`, by default the batch engines' CPUs
+(`--batch-cpus`): it is batch work, and on the control CPUs it would again take the CPU
+the probes' gateway and router need.
+
 Rounds: `--rounds N` repeats everything on fresh processes (direct settings in alternating
 order) and reports medians; the engines' maximum is the best direct setting by its median
 over the rounds. `--direct-after` drives the engines directly again after the batch, so
@@ -199,14 +207,17 @@ class Stack:
         self.routing = routing
         self.registry = registry
         self.config_path = state / "hpcserve.toml"
-        self.write_config(args.batch_concurrency[0])
+        self.runner_mode = args.runner[0]
+        self.runner_metrics_port = free_port()
+        self.write_config(args.batch_concurrency[0], self.runner_mode)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.names: dict[int, str] = {}  # pid: the name of its log (state/<name>.log)
         self.engines: list[subprocess.Popen[bytes]] = []
         self.interactive_engines: list[subprocess.Popen[bytes]] = []
         self.gateway: subprocess.Popen[bytes] | None = None
+        self.runner: subprocess.Popen[bytes] | None = None  # `hpcserve batch-runner`
 
-    def write_config(self, batch_concurrency: str) -> None:
+    def write_config(self, batch_concurrency: str, runner: str) -> None:
         args, state = self.args, self.state
         registry, routing = self.registry, self.routing
         config = parse_config({
@@ -217,6 +228,7 @@ class Stack:
                         "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}]},
             "pools": self.pools(),
             "batch": {**batch_bound(batch_concurrency),
+                      "runner": runner, "metrics_port": self.runner_metrics_port,
                       "max_lines": max(50_000, args.requests),
                       "max_file_bytes": 2 * 1024 * 1024 * 1024},
         })  # fmt: skip
@@ -272,6 +284,7 @@ class Stack:
         control = [os.getpid(), *process_tree(self.procs[0].pid), *process_tree(self.gateway.pid)]
         placement = {
             "control": [thread_placement(control)],
+            "runner": [thread_placement(process_tree(self.runner.pid))] if self.runner else [],
             "batch": [thread_placement(process_tree(proc.pid)) for proc in self.engines],
             "interactive": [
                 thread_placement(process_tree(proc.pid)) for proc in self.interactive_engines
@@ -281,6 +294,7 @@ class Stack:
             ("control", self.args.control_cpus),
             ("batch", self.args.batch_cpus),
             ("interactive", self.args.interactive_cpus),
+            ("runner", self.args.runner_cpus),
         ):
             wrong = {a for tree in placement[role] for a in tree["cpus_allowed"]} - {cpu_list(cpus)}
             if cpus and wrong:
@@ -339,28 +353,52 @@ class Stack:
             time.sleep(0.5)
         self.start_gateway()
 
-    def restart_gateway(self, batch_concurrency: str) -> None:
+    def restart_gateway(self, batch_concurrency: str, runner: str) -> None:
+        """The gateway (and the runner process) again, on a config with these settings."""
         assert self.gateway is not None
         self.gateway.terminate()
         self.gateway.wait(30)
-        self.write_config(batch_concurrency)
+        if self.runner is not None:
+            self.runner.terminate()
+            self.runner.wait(30)
+            self.runner = None
+        self.runner_mode = runner
+        self.write_config(batch_concurrency, runner)
         self.start_gateway()
+
+    @property
+    def batch_metrics_url(self) -> str:
+        """/metrics of the process that runs the batches."""
+        if self.runner_mode == "process":
+            return f"http://127.0.0.1:{self.runner_metrics_port}/metrics"
+        return self.url + "/metrics"
+
+    def start_runner(self) -> None:
+        """`hpcserve batch-runner` (batch.runner = "process"), on the runner CPUs."""
+        hpcserve = [sys.executable, "-m", "hpcserve.cli"]
+        self.runner = self._spawn(
+            [*hpcserve, "batch-runner", "--config", str(self.config_path)],
+            "batch-runner",
+            cpus=self.args.runner_cpus,
+        )
+        wait_http(self.batch_metrics_url, self.runner, "batch runner")
 
     def start_gateway(self) -> None:
         hpcserve = [sys.executable, "-m", "hpcserve.cli"]
         self.gateway = self._spawn(
             [*hpcserve, "gateway", "--config", str(self.config_path)], "gateway"
         )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                import urllib.request
+        wait_http(self.url + "/health", self.gateway, "gateway")
+        if self.runner_mode == "process":
+            self.start_runner()
 
-                urllib.request.urlopen(self.url + "/health", timeout=1)
-                return
-            except OSError:
-                assert time.monotonic() < deadline, "gateway did not start"
-                time.sleep(0.2)
+    def control_cpu_s(self) -> dict[str, float]:
+        """CPU seconds of the gateway and of the runner process (0 when there is none)."""
+        assert self.gateway is not None
+        return {
+            "gateway": cpu_seconds(self.gateway.pid),
+            "runner": cpu_seconds(self.runner.pid) if self.runner else 0.0,
+        }
 
     def engine_cpu_s(self, interactive: bool = False) -> float:
         """CPU seconds of the (batch pool's, or interactive pool's) engine processes and
@@ -389,6 +427,21 @@ class Stack:
                 proc.kill()
 
 
+def wait_http(url: str, proc: subprocess.Popen[bytes], name: str, timeout_s: float = 60) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}") from None
+            assert time.monotonic() < deadline, f"{name} did not start"
+            time.sleep(0.2)
+
+
 def batch_bound(concurrency: str) -> dict[str, Any]:
     """The [batch] keys of one --batch-concurrency value: "adaptive" (the default config) or
     a fixed number per replica."""
@@ -398,8 +451,9 @@ def batch_bound(concurrency: str) -> dict[str, Any]:
 
 
 async def batch_limits(url: str) -> dict[str, float]:
-    """The gateway's batch bound per replica of each model now (adapted or fixed)."""
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+    """The runner's batch bound per replica of each model now (adapted or fixed), from the
+    /metrics at `url` (the gateway's or the runner process's)."""
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
         text = await response.text()
     prefix = "hpcserve_batch_concurrency_per_replica{"
     return {
@@ -453,10 +507,12 @@ async def direct(replicas: list[str], bodies: list[dict[str, Any]], per_replica:
 
 
 def has_content(line: bytes) -> bool:
+    """A chunk with the first token: content, or a finish (the tiny random model on vLLM
+    sometimes samples its end-of-sequence token first: the stream then ends, content "")."""
     if not line.startswith(b"data: {"):
         return False
     choices = json.loads(line[6:]).get("choices") or [{}]
-    return bool((choices[0].get("delta") or {}).get("content"))
+    return bool((choices[0].get("delta") or {}).get("content") or choices[0].get("finish_reason"))
 
 
 async def probe(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
@@ -467,12 +523,14 @@ async def probe(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
         headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
     ) as response:
         assert response.status == 200, await response.text()
+        lines: list[bytes] = []
         async for line in response.content:
             if has_content(line):
                 ttft = time.perf_counter() - started
                 break
+            lines.append(line)
         else:
-            raise AssertionError("stream ended before its first token")
+            raise AssertionError(f"stream ended before its first token: {lines[-4:]!r}")
         async for _ in response.content:
             pass
     return ttft
@@ -518,7 +576,7 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
         async with session.post(stack.url + "/v1/files", data=form) as response:
             upload = await response.json()
             assert response.status == 200, upload
-        cpu_before = cpu_seconds(stack.gateway.pid)
+        cpu_before = stack.control_cpu_s()
         started = time.perf_counter()
         async with session.post(
             stack.url + "/v1/batches",
@@ -541,13 +599,13 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
             polls += 1
             if polls % 8:
                 continue  # the gateway's /metrics costs it milliseconds: not every poll
-            limits = await batch_limits(stack.url)
+            limits = await batch_limits(stack.batch_metrics_url)
             for model, limit in limits.items():
                 bounds.setdefault(model, []).append(limit)
             if polls == 8:
                 placement = stack.placement()  # under load: where the threads ran
         wall = time.perf_counter() - started
-        cpu = cpu_seconds(stack.gateway.pid) - cpu_before
+        cpu = {k: v - cpu_before[k] for k, v in stack.control_cpu_s().items()}
         stop.set()
         probe_ttfts = await ttfts
     usage = batch["usage"]
@@ -558,7 +616,9 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
         "input_tokens": usage["input_tokens"],
         "output_tokens": usage["output_tokens"],
         "tokens_per_s": usage["total_tokens"] / wall,
-        "gateway_cpu_s": cpu,
+        "gateway_cpu_s": cpu["gateway"],
+        "runner_cpu_s": cpu["runner"],
+        "runner": stack.runner_mode,
         "ttft": probe_ttfts,
         "bound_per_replica": bounds.get(MODEL, []),
         "placement": placement,
@@ -688,9 +748,9 @@ async def bench(args: argparse.Namespace, stack: Stack, round_index: int = 0) ->
         idle = await probes(stack.url, args.probe_rate, asyncio.Event(), args.idle_probes)
     print(f"idle probes: p90 {summary(idle)['p90_ms']:.1f} ms", file=sys.stderr)
     batches = []
-    for i, concurrency in enumerate(args.batch_concurrency):
+    for i, (runner, concurrency) in enumerate(batch_settings(args.runner, args.batch_concurrency)):
         if i:
-            stack.restart_gateway(concurrency)
+            stack.restart_gateway(concurrency, runner)
         async with Phase(stack, replicas) as phase:
             batch = await run_batch(stack, requests_of(args, next(phases)), args.probe_rate)
         batch.update(phase.result)
@@ -698,7 +758,8 @@ async def bench(args: argparse.Namespace, stack: Stack, round_index: int = 0) ->
         batch["ttft_ms"] = [round(1000 * t, 2) for t in batch["ttft"]]  # in sending order
         batch["ttft"] = summary(batch["ttft"])
         print(
-            f"batch at {concurrency}/replica: {batch['tokens_per_s']:,.0f} tokens/s, "
+            f"batch at {concurrency}/replica, {runner} runner: "
+            f"{batch['tokens_per_s']:,.0f} tokens/s, "
             f"TTFT p90 {batch['ttft']['p90_ms']:.1f} ms",
             file=sys.stderr,
         )
@@ -718,6 +779,11 @@ async def bench(args: argparse.Namespace, stack: Stack, round_index: int = 0) ->
         "idle_phase": idle_phase.result,
         "batches": batches,
     }
+
+
+def batch_settings(runners: list[str], concurrencies: list[str]) -> list[tuple[str, str]]:
+    """The batch phases of a round, in order: each runner with each batch concurrency."""
+    return [(runner, c) for runner in runners for c in concurrencies]
 
 
 def round_directs(round_: dict[str, Any]) -> dict[int, float]:
@@ -754,6 +820,8 @@ def summarize_rounds(rounds: list[dict[str, Any]], batch_settings: list[str]) ->
         pairs = list(zip(runs, rounds, strict=True))
         batches.append({
             "concurrency_per_replica": concurrency,
+            # (results from before the runner process ran the batch in the gateway)
+            "runner": runs[0].get("runner", "gateway"),
             "batch_tokens_per_s": tps,
             "share_of_direct": tps / maximum,
             "share_of_round_best_each": [
@@ -767,6 +835,7 @@ def summarize_rounds(rounds: list[dict[str, Any]], batch_settings: list[str]) ->
             ],
             "interactive_engine_ttft_mean_ms": engine_ttft(runs),
             "gateway_cpu_s": med([b["gateway_cpu_s"] for b in runs]),
+            "runner_cpu_s": med([b.get("runner_cpu_s", 0.0) for b in runs]),
             "engine_cpu_util": med([b["engine_cpu_util"] for b in runs]),
             "interactive_engine_cpu_util": med([b["interactive_engine_cpu_util"] for b in runs]),
             # the bound per replica the batch ran at: median and last (adaptive: adapted)
@@ -804,7 +873,8 @@ def summarize_rounds(rounds: list[dict[str, Any]], batch_settings: list[str]) ->
 SAME_WORKLOAD = ("engine", "replicas", "interactive_replicas", "requests", "families",
                  "prefix_words", "doc_words", "max_tokens", "time_scale", "sim_gpu", "sim_model",
                  "max_num_seqs", "batch_concurrency", "scheduling_policy", "probe_rate",
-                 "batch_cpus", "interactive_cpus", "control_cpus")  # fmt: skip
+                 "batch_cpus", "interactive_cpus", "control_cpus", "runner",
+                 "runner_cpus")  # fmt: skip
 
 
 def combine(paths: list[Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -850,22 +920,23 @@ def print_tables(rounds: list[dict[str, Any]], median: dict[str, Any]) -> None:
         + (f", the interactive engine's own {engine_idle:.1f} ms (mean)" if engine_idle else "")
         + "\n"
     )
-    print("| batch concurrency per replica | bound (median, last) | batch tokens/s | of direct "
-          "(per round) | TTFT p50 | TTFT p90 | p90 vs idle (per round) | interactive engine's "
-          "TTFT | gateway CPU | engines' CPU (batch, interactive) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch concurrency per replica, runner | bound (median, last) | batch tokens/s "
+          "| of direct (per round) | TTFT p50 | TTFT p90 | p90 vs idle (per round) "
+          "| interactive engine's TTFT | gateway CPU | runner process CPU "
+          "| engines' CPU (batch, interactive) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in median["batches"]:
         shares = ", ".join(f"{x:.1%}" for x in row["share_of_round_best_each"])
         p90s = ", ".join(f"{x:+.0%}" for x in row["ttft_p90_vs_idle_each"])
         engine = row["interactive_engine_ttft_mean_ms"]
         print(
-            f"| {row['concurrency_per_replica']} "
+            f"| {row['concurrency_per_replica']}, {row['runner']} "
             f"| {row['bound_median']:.0f}, {row['bound_last']:.0f} "
             f"| {row['batch_tokens_per_s']:,.0f} "
             f"| {row['share_of_direct']:.1%} ({shares}) | {row['ttft_p50_ms']:.1f} ms "
             f"| {row['ttft_p90_ms']:.1f} ms | {row['ttft_p90_vs_idle']:+.0%} ({p90s}) "
             f"| {f'{engine:.1f} ms' if engine else '-'} "
-            f"| {row['gateway_cpu_s']:.1f} s "
+            f"| {row['gateway_cpu_s']:.1f} s | {row['runner_cpu_s']:.1f} s "
             f"| {row['engine_cpu_util']:.2f}, {row['interactive_engine_cpu_util']:.2f} |"
         )
 
@@ -925,6 +996,14 @@ def main() -> None:
         "fixed batch.concurrency_per_replica; a comma list runs one batch per value",
     )
     parser.add_argument(
+        "--runner",
+        type=lambda text: text.split(","),
+        default=["process"],
+        help="who runs the batch: 'process' (`hpcserve batch-runner`, batch.runner = "
+        "'process') or 'gateway' (the gateway the probes use); 'gateway,process' runs a batch "
+        "phase with each, side by side",
+    )
+    parser.add_argument(
         "--scheduling-policy",
         choices=["priority", "fcfs"],
         default="priority",
@@ -944,6 +1023,7 @@ def main() -> None:
         ("batch", "the batch pool's engine process trees (or the shared pool's)"),
         ("interactive", "the interactive pool's engine process trees"),
         ("control", "this benchmark's client, the router and the gateway"),
+        ("runner", "the batch runner process (default: --batch-cpus)"),
     ):
         parser.add_argument(
             f"--{role}-cpus",
@@ -970,7 +1050,12 @@ def main() -> None:
         run_args = {**run_args, "combine": [str(p) for p in args.combine], "tag": args.tag}
         engine = run_args["engine"]
     else:
-        for role in ("batch", "interactive", "control"):
+        wrong = [r for r in args.runner if r not in ("gateway", "process")]
+        if wrong:
+            parser.error(f"--runner: {wrong[0]!r} is not 'gateway' or 'process'")
+        if not args.runner_cpus:
+            args.runner_cpus = args.batch_cpus
+        for role in ("batch", "interactive", "control", "runner"):
             try:
                 cpus = parse_cpus(getattr(args, f"{role}_cpus"), f"--{role}-cpus")
             except ValueError as err:
@@ -992,11 +1077,12 @@ def main() -> None:
             **vars(args),
             **{
                 f"{r}_cpus": cpu_list(getattr(args, f"{r}_cpus"))
-                for r in ("batch", "interactive", "control")
+                for r in ("batch", "interactive", "control", "runner")
             },
         }
         engine = args.engine
-    median = summarize_rounds(rounds, run_args["batch_concurrency"])
+    settings = batch_settings(run_args.get("runner") or ["gateway"], run_args["batch_concurrency"])
+    median = summarize_rounds(rounds, [c for _, c in settings])
     best = median["direct_best_setting"]
     rows = [
         {"run": f"direct, {best}/replica (the maximum)",
@@ -1004,7 +1090,7 @@ def main() -> None:
          "ttft_p50_ms": round(median["idle_ttft_p50_ms"], 1),
          "ttft_p90_ms": round(median["idle_ttft_p90_ms"], 1), "ttft_p90_vs_idle": 0.0},
         *(
-            {"run": f"batch, {row['concurrency_per_replica']}/replica",
+            {"run": f"batch, {row['concurrency_per_replica']}/replica, {row['runner']} runner",
              "tokens_per_s": round(row["batch_tokens_per_s"]),
              "of_direct": round(row["share_of_direct"], 3),
              "ttft_p50_ms": round(row["ttft_p50_ms"], 1),

@@ -119,7 +119,8 @@ class Gateway:
         await self.relay.start()
         if self.external_relay is not None:
             await self.external_relay.start()
-        if any(has_limits(t) for t in self.keys.tenants()):
+        # Batch tokens too: the runner that takes the batches over (lock.py) sees this usage.
+        if any(has_limits(t) or t.config.batch_tokens_per_min for t in self.keys.tenants()):
             self._quota_sync = asyncio.create_task(self._sync_quotas(), name="quota-sync")
         if self.batch is not None:
             await self.batch.start(self)

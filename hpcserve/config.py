@@ -118,6 +118,7 @@ Priority = Literal["interactive", "batch"]
 Overflow = Literal["never", "external"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 PoolRole = Literal["interactive", "batch"]
+BatchRunnerMode = Literal["standby", "process", "gateway"]
 
 
 class TenantConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -305,6 +306,13 @@ class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     retry_backoff_s: PosFloat = 1.0
     # What completion_window "24h" means here; shorter only to test expiry.
     completion_window_s: PosFloat = 86_400.0
+    # Who runs batches (gateway/batch/lock.py): "standby" (a gateway runs them only while no
+    # `hpcserve batch-runner` process is up, and hands them to one that starts), "process"
+    # (only `hpcserve batch-runner` does; gateways serve the API and report batches waiting
+    # with no runner), "gateway" (a gateway runs them even beside a runner process).
+    runner: BatchRunnerMode = "standby"
+    # `hpcserve batch-runner`'s Prometheus /metrics (0: off).
+    metrics_port: Port = 9103
 
 
 HealthAction = Literal["log", "stop_routing", "drain", "drain_reset"]
@@ -376,7 +384,11 @@ class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 _PATH_RE = re.compile(r"`\$\.?(?P<path>[^`]*)`")
 _STEP_RE = re.compile(r"\.?([^.\[]+)|\[(\d+)\]")
 _MISSING = object()
-_CHOICES = {"engine": get_args(EngineKind), "launcher": get_args(Launcher)}
+_CHOICES = {
+    "engine": get_args(EngineKind),
+    "launcher": get_args(Launcher),
+    "runner": get_args(BatchRunnerMode),
+}
 
 
 def _value_at(data: object, path: str) -> object:

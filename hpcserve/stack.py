@@ -2,11 +2,12 @@
 
 `up` writes a demo config into the state dir (unless given one), makes the tiny
 demo model, starts a local two-node Slurm cluster (or uses local processes with
-`--launcher local`), starts router, gateway and pool manager as background
-processes with pid files, waits until a replica serves, prints how to use it and
-sends one chat request. `down` stops all of it in reverse order: pool manager
-first (so nothing is resubmitted), then the engines (drained), gateway, router,
-and the local cluster. Every process it starts is recorded under state_dir/run.
+`--launcher local`), starts router, gateway, pool manager and batch runner as
+background processes with pid files, waits until a replica serves, prints how to use
+it and sends one chat request. `down` stops all of it in reverse order: pool manager
+first (so nothing is resubmitted), the batch runner (before its engines go: the lines
+it has in flight run again at the next start), then the engines (drained), gateway,
+router, and the local cluster. Every process it starts is recorded under state_dir/run.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from hpcserve.config import (
 )
 from hpcserve.localslurm import pid_alive
 
-SERVICES = ("router", "gateway", "poolmgr")
+SERVICES = ("router", "gateway", "poolmgr", "batch-runner")
 DEMO_MODEL = "tiny-chat"
 
 
@@ -344,6 +345,7 @@ class Stack:
         if config is not None and config.slurm.conf.startswith(str(self.state_dir)):
             local_cluster = LocalSlurm(self._local_slurm_spec())
         self._stop_service("poolmgr", timeout_s=60)
+        self._stop_service("batch-runner", timeout_s=30)
         slurm_reachable = local_cluster is None or local_cluster.is_running()
         if config is not None and config.poolmgr.launcher == "slurm" and slurm_reachable:
             try:

@@ -9,8 +9,8 @@ model is configured but nothing serves it now: wait, it does not count as a fail
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -19,7 +19,9 @@ from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.routing_client import RouterUnavailable
 
 if TYPE_CHECKING:
-    from hpcserve.gateway.app import Gateway
+    from hpcserve.gateway.relay import Relay
+    from hpcserve.gateway.routing_client import RoutingClient
+    from hpcserve.router.prompt_tokens import RouteHints
 
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
 _payload = msgspec.json.Decoder(dict[str, Any])
@@ -72,15 +74,45 @@ class _Exchange:
             release()
 
 
-class GatewayExecutor:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+class Executor(Protocol):
+    """What the runner needs to run one request (BatchRunner depends on this only)."""
+
+    async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]: ...
+
+    async def execute(
+        self,
+        model: str,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        exclude: list[str],
+        hints: dict[str, Any],
+    ) -> EngineReply: ...
+
+
+class RoutedExecutor:
+    """An Executor over a routing client, a relay and the prefix hints: a gateway's own
+    (gateway/batch/service.py) or a runner process's (gateway/batch/process.py)."""
+
+    def __init__(
+        self,
+        routing: RoutingClient,
+        relay: Relay,
+        *,
+        route_hints: RouteHints | None,
+        configured_models: Collection[str],
+    ) -> None:
+        self.routing = routing
+        self.relay = relay
+        self.hints = route_hints
+        self.configured_models = configured_models
 
     async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]:
         """The prompt's block hashes for prefix-aware routing, as the gateway computes them for
         interactive requests; tokenized in a thread, so the batch never stalls the event loop
-        that interactive requests share."""
-        hints = self.gateway.route_hints
+        (in a gateway, the one interactive requests share)."""
+        hints = self.hints
         if hints is None or path not in _GENERATING or model not in hints:
             return {}
         return await asyncio.to_thread(hints.hints, model, _payload.decode(body), {})
@@ -95,19 +127,19 @@ class GatewayExecutor:
         exclude: list[str],
         hints: dict[str, Any],
     ) -> EngineReply:
-        routing = self.gateway.routing
+        routing = self.routing
         try:
             decision = await routing.route(model, priority="batch", exclude=exclude, **hints)
         except RouterUnavailable as err:
             raise NoReplica(str(err)) from None
         if not decision.replica_id:
-            if model not in self.gateway.configured_models and not exclude:
+            if model not in self.configured_models and not exclude:
                 return EngineReply(404, _error_body(errors.model_not_found(model)))
             raise NoReplica(f"no replica of {model!r} is serving ({decision.error})")
         replica = decision.replica_id
         exchange = _Exchange(lambda: routing.release(replica, model))
         try:
-            response = await self.gateway.relay.forward(
+            response = await self.relay.forward(
                 decision.url + path,
                 body,
                 {

@@ -117,4 +117,13 @@ def cmd_batches(args: argparse.Namespace) -> int:
         print(f"no batches in {config.batch_dir()}")
     else:
         print(format_batches(batches, now))
+        print(runner_line(Path(config.batch_dir())))
     return 0
+
+
+def runner_line(root: Path) -> str:
+    """Who runs the batches now (the runner lock's holder, gateway/batch/lock.py)."""
+    from hpcserve.gateway.batch.lock import RunnerLock
+
+    holder = RunnerLock(root, "never", name="hpcserve batches").holder()
+    return f"runner: {holder}" if holder else "runner: none (no process holds runner.lock)"

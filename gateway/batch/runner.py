@@ -11,29 +11,31 @@ lines that never ran in the error file).
 
 Failure modes: a crash loses only the results not yet committed; those lines run again
 on restart, so an engine may see a request twice but the output holds it once. Only the
-gateway holding the lock file runs batches; others serve the API and wait for the lock.
+holder of the runner lock (lock.py: a `hpcserve batch-runner` process, or a gateway)
+runs batches; the others serve the API, wait for the lock and say, in their log and
+`hpcserve_batch_waiting_without_runner`, when batches wait and nobody holds it. A standby
+gateway hands the lock to a runner process that appears: its batches stop taking new
+lines, the requests in flight finish and are stored, then it lets go (a hand-over redoes
+no request).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any, Protocol
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import BatchConfig, TenantConfig
 from hpcserve.gateway.batch.concurrency import ADAPT_S
-from hpcserve.gateway.batch.execute import EngineReply, NoReplica, ReplicaFailed
+from hpcserve.gateway.batch.execute import EngineReply, Executor, NoReplica, ReplicaFailed
 from hpcserve.gateway.batch.limiter import BatchTokens
+from hpcserve.gateway.batch.lock import RunnerLock
 from hpcserve.gateway.batch.slots import ModelLoad, ModelSlots, PoolSlots
 from hpcserve.gateway.batch.store import ACTIVE, BatchError, BatchRecord, BatchStore, Result
 from hpcserve.gateway.batch.validate import RequestLine, request_line_decoder
@@ -41,24 +43,12 @@ from hpcserve.gateway.quota import QuotaGate
 
 log = logging.getLogger(__name__)
 
-POLL_S = 1.0
+POLL_S = 1.0  # how often the store is read for new and cancelled batches (other processes')
 COMMIT_MAX = 512
 NO_REPLICA_WAIT_MAX_S = 5.0
-
-
-class Executor(Protocol):
-    async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]: ...
-
-    async def execute(
-        self,
-        model: str,
-        path: str,
-        body: bytes,
-        request_id: str,
-        *,
-        exclude: list[str],
-        hints: dict[str, Any],
-    ) -> EngineReply: ...
+WATCH_S = 1.0  # a process not holding the lock checks that someone does this often
+HANDOVER_WAIT_S = 60.0  # a hand-over lets requests in flight finish this long, then drops them
+HANDOVER = "handover"  # a BatchJob's stop reason: another process goes on with the batch
 
 
 class BatchMetrics:
@@ -84,12 +74,22 @@ class BatchMetrics:
             "hpcserve_batch_in_flight", "Batch requests sent to engines now", registry=registry
         )
         self.active = Gauge(
-            "hpcserve_batch_active", "Batches this gateway is running", registry=registry
+            "hpcserve_batch_active", "Batches this process is running", registry=registry
         )
         self.limit = Gauge(
             "hpcserve_batch_concurrency_per_replica",
             "Batch requests allowed in flight per replica of a model (adapted to the engines)",
             ["model"],
+            registry=registry,
+        )
+        self.lock_held = Gauge(
+            "hpcserve_batch_runner_lock_held",
+            "1 while this process holds the batch runner lock (runs the batches)",
+            registry=registry,
+        )
+        self.unrun = Gauge(
+            "hpcserve_batch_waiting_without_runner",
+            "Active batches while no process holds the batch runner lock (seen twice in a row)",
             registry=registry,
         )
 
@@ -253,6 +253,9 @@ class BatchJob:
                 log.info("batch %s: in_progress, %d requests", record.id, record.total)
             if record.status == "in_progress":
                 await self._execute()
+            if self.reason == HANDOVER:
+                log.info("batch %s: handed over with its results stored", record.id)
+                return
             await self._finish()
         finally:
             expiry.cancel()
@@ -433,8 +436,10 @@ class BatchRunner:
         metrics: BatchMetrics,
         model_loads: Callable[[], Awaitable[dict[str, ModelLoad]]] | None = None,
         quota: QuotaGate | None = None,
+        lock: RunnerLock | None = None,
     ) -> None:
         self.store = store
+        self.lock = lock or RunnerLock(store.root, "gateway", name="gateway")
         self.executor = executor
         self.config = config
         self.tenants = tenants
@@ -454,7 +459,9 @@ class BatchRunner:
         self._jobs: dict[str, tuple[BatchJob, asyncio.Task[None]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._lock_fd: int | None = None
+        self._watched_at = -WATCH_S
+        self._watch_state: tuple[bool, str | None] | None = None
+        self._unrun_seen = 0
 
     def check_input(self, record: BatchRecord) -> list[BatchError]:
         """Why a validating batch cannot run (empty: it can)."""
@@ -525,40 +532,98 @@ class BatchRunner:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.committer.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    def _take_lock(self) -> bool:
-        if self._lock_fd is not None:
-            return True
-        fd = os.open(self.store.root / "runner.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._lock_fd = fd
-        log.info("batch runner: holding %s, running batches", Path(self.store.root) / "runner.lock")
-        return True
+        if self.lock.held:
+            log.info("batch runner: released %s (stopping)", self.lock.path)
+        self.lock.close()
+        self.metrics.lock_held.set(0)
 
     async def _supervise(self) -> None:
         while True:
             try:
-                if self._take_lock():
-                    await self._refresh_replicas()
-                    for record in await asyncio.to_thread(self.store.active_batches):
-                        if record.id not in self._jobs:
-                            self._launch(record)
-                        elif record.status == "cancelling":
-                            self._jobs[record.id][0].stop("cancelled")
-                    self.metrics.active.set(len(self._jobs))
+                await self._pass()
             except Exception:
                 log.exception("batch runner: supervision pass failed")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(POLL_S):
                     await self._wake.wait()
             self._wake.clear()
+
+    async def _pass(self) -> None:
+        lock = self.lock
+        if await asyncio.to_thread(lock.should_hand_back):
+            await self._hand_back()
+        held = lock.held
+        if not await asyncio.to_thread(lock.try_take):
+            await self._watch()
+            return
+        if not held:
+            log.info(
+                "batch runner: holding %s, running batches (as %s)",
+                self.lock.path,
+                lock.identity,
+            )
+            self.metrics.lock_held.set(1)
+            self.metrics.unrun.set(0)
+            self._watch_state, self._unrun_seen = None, 0
+        await self._refresh_replicas()
+        for record in await asyncio.to_thread(self.store.active_batches):
+            if record.id not in self._jobs:
+                self._launch(record)
+            elif record.status == "cancelling":
+                self._jobs[record.id][0].stop("cancelled")
+        self.metrics.active.set(len(self._jobs))
+
+    async def _hand_back(self) -> None:
+        """A runner process is up: stop taking lines, let what is in flight be stored, let go."""
+        jobs = list(self._jobs.values())
+        log.info(
+            "batch runner: a batch-runner process is up; handing %d batch(es) over once "
+            "their %d request(s) in flight are stored",
+            len(jobs),
+            self.slots.in_flight(),
+        )
+        for job, _ in jobs:
+            job.stop(HANDOVER)
+        tasks = [task for _, task in jobs]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=HANDOVER_WAIT_S)
+            for job, task in jobs:
+                if task in late:
+                    job.abort()  # not stored: the runner process runs those lines again
+                    task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.lock.release()
+        self.metrics.lock_held.set(0)
+        self.metrics.active.set(len(self._jobs))
+        log.info("batch runner: released %s to the batch-runner process", self.lock.path)
+
+    async def _watch(self) -> None:
+        """Not holding the lock: every WATCH_S, see that someone runs the active batches and
+        log when that changes (twice in a row with nobody: a runner may just be starting)."""
+        now = time.monotonic()
+        if now - self._watched_at < WATCH_S:
+            return
+        self._watched_at = now
+        active = len(await asyncio.to_thread(self.store.active_batches))
+        holder = await asyncio.to_thread(self.lock.holder) if active else None
+        self._unrun_seen = self._unrun_seen + 1 if active and holder is None else 0
+        unrun = self._unrun_seen >= 2
+        self.metrics.unrun.set(active if unrun else 0)
+        state = (unrun, holder)
+        if state == self._watch_state or (active and holder is None and not unrun):
+            return
+        self._watch_state = state
+        if unrun:
+            log.warning(
+                "batch runner: %d batch(es) waiting and no process holds %s (%s)",
+                active,
+                self.lock.path,
+                "batch.runner = 'process': start `hpcserve batch-runner`"
+                if self.lock.role == "never"
+                else "this process takes it when it may",
+            )
+        elif holder is not None:
+            log.info("batch runner: batches run by %s", holder)
 
     async def _refresh_replicas(self) -> None:
         if self._model_loads is None:

@@ -1,20 +1,41 @@
 """What a gateway holds of the Batch API: the store and the runner, started and stopped
-with the gateway."""
+with the gateway. Whether this gateway's runner runs batches is `batch.runner`
+(lock.py): "standby" until a `hpcserve batch-runner` process is up, "gateway" always
+when the lock is free, "process" never (it only watches that someone does)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcserve.config import BatchConfig
-from hpcserve.gateway.batch.execute import GatewayExecutor
+from hpcserve.gateway.batch.execute import RoutedExecutor
+from hpcserve.gateway.batch.lock import LockRole, RunnerLock
 from hpcserve.gateway.batch.runner import BatchMetrics, BatchRunner
 from hpcserve.gateway.batch.slots import ModelLoad, model_loads
 from hpcserve.gateway.batch.store import BatchStore
 
 if TYPE_CHECKING:
     from hpcserve.gateway.app import Gateway
+    from hpcserve.gateway.routing_client import RoutingClient
+
+GATEWAY_LOCK_ROLE: dict[str, LockRole] = {
+    "standby": "standby",
+    "gateway": "gateway",
+    "process": "never",
+}
+
+
+def loads_from(routing: RoutingClient) -> Callable[[], Awaitable[dict[str, ModelLoad]]]:
+    """The runner's view of each model's replicas and queues, from the router."""
+
+    async def loads() -> dict[str, ModelLoad]:
+        listing = await routing.models()
+        return model_loads(listing.models, (await routing.replicas()).replicas)
+
+    return loads
 
 
 class BatchService:
@@ -36,19 +57,23 @@ class BatchService:
 
     async def start(self, gateway: Gateway) -> None:
         self._store = await asyncio.to_thread(BatchStore, self.root)
-
-        async def loads() -> dict[str, ModelLoad]:
-            listing = await gateway.routing.models()
-            return model_loads(listing.models, (await gateway.routing.replicas()).replicas)
-
+        executor = RoutedExecutor(
+            gateway.routing,
+            gateway.relay,
+            route_hints=gateway.route_hints,
+            configured_models=gateway.configured_models,
+        )
         self._runner = BatchRunner(
             self._store,
-            GatewayExecutor(gateway),
+            executor,
             self.config,
             tenants={t.name: t for t in gateway.config.tenants},
             metrics=BatchMetrics(gateway.metrics_registry),
-            model_loads=loads,
+            model_loads=loads_from(gateway.routing),
             quota=gateway.quota,
+            lock=RunnerLock(
+                self._store.root, GATEWAY_LOCK_ROLE[self.config.runner], name="gateway"
+            ),
         )
         await self._runner.start()
 

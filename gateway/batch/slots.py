@@ -118,8 +118,10 @@ class PoolSlots:
     def for_model(self, model: str) -> ModelSlots:
         slots = self._models.get(model)
         if slots is None:
+            # (a bound configured below the adaptive minimum is kept, not raised to it)
+            minimum = min(self.minimum, self.per_replica)
             self._limits[model] = AdaptiveLimit(
-                self.per_replica, minimum=self.minimum, maximum=self.maximum, adaptive=self.adaptive
+                self.per_replica, minimum=minimum, maximum=self.maximum, adaptive=self.adaptive
             )
             slots = self._models[model] = ModelSlots(self._capacity(model))
         return slots

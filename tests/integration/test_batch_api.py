@@ -1,5 +1,6 @@
 """The Batch API through a real gateway process, a real router and simulated engines, with the
-official openai client: upload, run, cancel, expire, retry, tenancy, and a SIGKILL mid-batch."""
+official openai client: upload, run, cancel, expire, retry, tenancy, a SIGKILL mid-batch of
+the runner process and of the gateway, and a gateway handing its batch to a runner process."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import openai
 import pytest
 import zmq
 
-from hpcserve.config import dump_config, hash_api_key, parse_config
+from hpcserve.config import dump_config, hash_api_key, load_config, parse_config
 from hpcserve.router import protocol as p
 from hpcserve.router.client import list_models, list_replicas
 from hpcserve.router.server import RouterServer
@@ -84,6 +85,16 @@ class GatewayProcess:
     def __init__(self, router: RouterServer, state_dir: Path, batch: dict[str, Any]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.router, self.state_dir = router, state_dir
+        self.config_path = state_dir / "gateway.toml"
+        self.write_config({"metrics_port": free_port(), **batch})  # `hpcserve batch-runner`'s
+        self.log_path = state_dir / "gateway.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def write_config(self, batch: dict[str, Any]) -> None:
+        """The config file (read by processes started after this)."""
+        router, state_dir = self.router, self.state_dir
+        self.batch = batch
         config = parse_config({
             "state_dir": str(state_dir),
             "router": {"registry_bind": router.config.registry_bind,
@@ -96,10 +107,7 @@ class GatewayProcess:
             "pools": [{"name": "sim", "model_path": "/nonexistent", "engine": "sim"}],
             "batch": batch,
         })  # fmt: skip
-        self.config_path = state_dir / "gateway.toml"
         self.config_path.write_text(dump_config(config))
-        self.log_path = state_dir / "gateway.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
@@ -137,6 +145,74 @@ class GatewayProcess:
 
     def client(self, key: str = KEY_A) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+class RunnerProcess:
+    """`hpcserve batch-runner` on a gateway's config (same store, same router)."""
+
+    def __init__(self, gateway: GatewayProcess) -> None:
+        self.config_path = gateway.config_path
+        self.metrics_url = f"http://127.0.0.1:{parse_metrics_port(gateway.config_path)}/metrics"
+        self.log_path = gateway.config_path.parent / "batch-runner.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hpcserve.cli", "batch-runner", "--config",
+                 str(self.config_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        proc = self.proc
+
+        def up() -> bool:
+            assert proc.poll() is None, self.log_path.read_text()
+            try:
+                return httpx.get(self.metrics_url, timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for("the batch runner process to serve /metrics", up, timeout=30)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+def parse_metrics_port(config_path: Path) -> int:
+    return load_config(config_path).batch.metrics_port
+
+
+def metric(url: str, name: str) -> float:
+    """A metric without labels from a /metrics page (-1 when absent)."""
+    for line in httpx.get(url, timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return -1.0
+
+
+@pytest.fixture
+def make_runner() -> Iterator[Callable[[GatewayProcess], RunnerProcess]]:
+    made: list[RunnerProcess] = []
+
+    def make(gateway: GatewayProcess) -> RunnerProcess:
+        runner = RunnerProcess(gateway)
+        made.append(runner)
+        runner.start()
+        return runner
+
+    try:
+        yield make
+    finally:
+        for runner in made:
+            runner.stop()
 
 
 @pytest.fixture
@@ -401,19 +477,22 @@ def test_a_batch_past_its_window_expires_with_what_completed(
     engines: Engines, make_gateway: Callable[..., GatewayProcess]
 ) -> None:
     engines.start(decode_ms=10)
+    # The window must leave time for a first answer on a loaded machine (the batch starts
+    # after validation), and the work must outlast it however fast the machine: the
+    # simulated engine's decode is wall time, 80 x 50 tokens x 10 ms at 2 = 20 s at best.
     gateway = make_gateway(
-        concurrency_per_replica=2, adaptive_concurrency=False, completion_window_s=3
+        concurrency_per_replica=2, adaptive_concurrency=False, completion_window_s=6
     )
     client = gateway.client()
-    batch = submit(client, chat_lines(40, max_tokens=50))  # ~10 s of work at concurrency 2
-    assert batch.expires_at - batch.created_at == 3
-    ended = wait_status(client, batch.id, {"expired"}, timeout=30)
-    assert ended.expired_at and 0 < ended.request_counts.completed < 40
+    batch = submit(client, chat_lines(80, max_tokens=50))
+    assert batch.expires_at - batch.created_at == 6
+    ended = wait_status(client, batch.id, {"expired"}, timeout=60)
+    assert ended.expired_at and 0 < ended.request_counts.completed < 80
     output = lines_of(client, ended.output_file_id)
     errors = lines_of(client, ended.error_file_id)
     assert len(output) == ended.request_counts.completed
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
-    assert sorted(x["custom_id"] for x in output + errors) == sorted(f"req-{i}" for i in range(40))
+    assert sorted(x["custom_id"] for x in output + errors) == sorted(f"req-{i}" for i in range(80))
 
 
 class DeadReplica:
@@ -473,25 +552,45 @@ def test_replica_failures_are_retried_elsewhere_then_recorded_in_the_error_file(
         dead.close()
 
 
-def test_a_gateway_killed_mid_batch_resumes_without_losing_or_repeating_results(
-    engines: Engines, make_gateway: Callable[..., GatewayProcess], router: RouterServer
+def test_a_runner_process_killed_mid_batch_resumes_without_losing_or_repeating_results(
+    engines: Engines,
+    make_gateway: Callable[..., GatewayProcess],
+    make_runner: Callable[[GatewayProcess], RunnerProcess],
+    router: RouterServer,
 ) -> None:
     engines.start(decode_ms=10)
-    gateway = make_gateway(concurrency_per_replica=4, adaptive_concurrency=False)
+    # One request at a time (~0.2 s each) until the kill: the batch is far from done then,
+    # however late this test gets to run again.
+    gateway = make_gateway(runner="process", concurrency_per_replica=1, adaptive_concurrency=False)
+    runner = make_runner(gateway)
     client = gateway.client()
-    batch = submit(client, chat_lines(60, max_tokens=20))  # 15 waves of ~0.2 s
+    batch = submit(client, chat_lines(60, max_tokens=20))
     wait_for(
-        "some results", lambda: client.batches.retrieve(batch.id).request_counts.completed >= 12
+        "some results", lambda: client.batches.retrieve(batch.id).request_counts.completed >= 5
     )
+    runner.kill()
+    assert runner.proc is not None and runner.proc.returncode == -signal.SIGKILL
+    stored = client.batches.retrieve(batch.id).request_counts.completed
+    # The gateway too: it serves the API only, and comes back on the same store.
     gateway.kill()
-    assert gateway.proc is not None and gateway.proc.returncode == -signal.SIGKILL
-    gateway.start()  # same config, same state dir
+    gateway.start()
+    # With no runner, the gateway (batch.runner = "process") runs nothing and says so.
+    wait_for(
+        "the gateway to report the batch waiting with no runner",
+        lambda: metric(gateway.url + "/metrics", "hpcserve_batch_waiting_without_runner") == 1,
+    )
+    assert client.batches.retrieve(batch.id).request_counts.completed == stored
+    assert "no process holds" in gateway.log_path.read_text()
+    gateway.write_config({**gateway.batch, "concurrency_per_replica": 16})  # the rest: faster
+    runner.start()  # same store
     done = wait_status(client, batch.id, {"completed"}, timeout=60)
     assert (done.request_counts.completed, done.request_counts.failed) == (60, 0)
     output = lines_of(client, done.output_file_id)
     assert sorted(o["custom_id"] for o in output) == sorted(f"req-{i}" for i in range(60))
     # Only what was in flight (sent, or answered and not yet stored) at the kill ran twice.
-    assert 60 <= engine_requests(router, max_tokens=20) <= 60 + 4
+    assert 60 <= engine_requests(router, max_tokens=20) <= 60 + 1
+    assert metric(runner.metrics_url, "hpcserve_batch_runner_lock_held") == 1
+    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held") == 0
     # `hpcserve batches` reads the same store.
     listing = subprocess.run(
         [sys.executable, "-m", "hpcserve.cli", "batches", "--config", str(gateway.config_path)],
@@ -501,3 +600,45 @@ def test_a_gateway_killed_mid_batch_resumes_without_losing_or_repeating_results(
     ).stdout.splitlines()
     assert listing[0].split()[:6] == ["BATCH", "TENANT", "STATUS", "DONE", "FAILED", "TOTAL"]
     assert listing[1].split()[:6] == [batch.id, "a", "completed", "60", "0", "60"]
+    assert listing[-1].startswith("runner: batch-runner pid ")
+
+
+def test_a_standby_gateway_hands_its_batch_to_a_runner_process_without_redoing_a_request(
+    engines: Engines,
+    make_gateway: Callable[..., GatewayProcess],
+    make_runner: Callable[[GatewayProcess], RunnerProcess],
+    router: RouterServer,
+) -> None:
+    engines.start(decode_ms=10)  # 50 tokens: ~0.5 s a request
+    gateway = make_gateway(concurrency_per_replica=4, adaptive_concurrency=False)  # "standby"
+    client = gateway.client()
+    batch = submit(client, chat_lines(400, max_tokens=50))  # ~50 s: cancelled below
+    wait_for(
+        "the gateway's results",
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= 4,
+    )
+    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held") == 1
+    runner = make_runner(gateway)
+    wait_for(
+        "the runner process to take the lock",
+        lambda: metric(runner.metrics_url, "hpcserve_batch_runner_lock_held") == 1,
+        timeout=60,
+    )
+    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held") == 0
+    handed = client.batches.retrieve(batch.id).request_counts.completed
+    wait_for(
+        "the runner process's results",
+        lambda: client.batches.retrieve(batch.id).request_counts.completed >= handed + 4,
+    )
+    client.batches.cancel(batch.id)
+    ended = wait_status(client, batch.id, {"cancelled"})
+    output = lines_of(client, ended.output_file_id)
+    errors = lines_of(client, ended.error_file_id)
+    assert len(output) == ended.request_counts.completed
+    ids = [line["custom_id"] for line in output + errors]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(400)), "each line exactly once"
+    # The gateway's requests in flight at the hand-over finished and were stored by it:
+    # the engines ran each answered line once.
+    assert engine_requests(router, max_tokens=50) == len(output)
+    log = gateway.log_path.read_text()
+    assert "handing 1 batch(es) over" in log and "released" in log

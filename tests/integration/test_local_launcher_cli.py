@@ -47,13 +47,20 @@ def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
             },
             "slurm": {"drain_s": 15},
             "poolmgr": {"launcher": "local", "poll_s": 1.0, "metrics_port": free_port()},
+            "batch": {"metrics_port": free_port()},  # `up` starts `hpcserve batch-runner` too
             "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
             "pools": [
                 {
                     "name": "tiny-chat",
                     "model_path": str(state / "models" / "tiny-chat"),
                     "engine": "vllm-cpu",
-                    "engine_args": ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"],
+                    "engine_args": [
+                        "--dtype",
+                        "float32",
+                        "--enforce-eager",
+                        "--max-model-len",
+                        "512",
+                    ],
                 }
             ],
         }
@@ -67,6 +74,7 @@ def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "making the tiny demo model" in up.stdout
         assert "replica registered" in up.stdout
+        assert "started batch-runner" in up.stdout
         assert "reply from tiny-chat" in up.stdout and "finish_reason=length" in up.stdout
         assert f"curl -s http://127.0.0.1:{config.gateway.port}/v1/chat/completions" in up.stdout
 

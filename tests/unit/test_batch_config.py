@@ -12,6 +12,7 @@ def test_defaults_put_the_batch_state_under_the_state_dir() -> None:
     assert config.batch == BatchConfig()
     assert config.batch_dir() == "/srv/hpcserve/batch"
     assert parse_config({"batch": {"dir": "/data/batch"}}).batch_dir() == "/data/batch"
+    assert (config.batch.runner, config.batch.metrics_port) == ("standby", 9103)
 
 
 @pytest.mark.parametrize(
@@ -21,6 +22,11 @@ def test_defaults_put_the_batch_state_under_the_state_dir() -> None:
         ({"completion_window_s": 0}, "batch.completion_window_s: expected float > 0"),
         ({"concurrency_per_replica": "many"}, "batch.concurrency_per_replica: expected int"),
         ({"max_line": 5}, "batch: object contains unknown field max_line"),
+        (
+            {"runner": "both"},
+            "batch.runner: invalid enum value 'both'; allowed: standby, process, gateway",
+        ),
+        ({"metrics_port": 70000}, "batch.metrics_port: expected int <= 65535"),
     ],
 )
 def test_bad_values_name_the_key(batch: dict[str, object], message: str) -> None:

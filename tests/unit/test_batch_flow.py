@@ -47,6 +47,9 @@ def test_pool_slots_scale_with_live_replicas() -> None:
     assert slots.capacity == 12
     pool.set_replicas({})
     assert slots.capacity == 4
+    # A bound configured below the adaptive minimum (2) is kept as configured.
+    one = PoolSlots(per_replica=1).for_model("m")
+    assert one.capacity == 1
 
 
 def test_the_bound_grows_while_engines_queue_little_and_backs_off_when_they_queue() -> None:

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench.batch_throughput import (
+    batch_settings,
     combine,
     cpu_list,
+    has_content,
     parse_cpus,
     requests_of,
     round_directs,
@@ -126,3 +128,36 @@ def test_each_phase_sends_other_documents_under_the_same_family_prefixes():
     assert len({r["messages"][0]["content"] for r in first}) == 8
     documents = [r["messages"][1]["content"] for r in first + second]
     assert len(set(documents)) == 32
+
+
+def test_runners_side_by_side_each_with_every_batch_concurrency_and_named_in_the_medians():
+    assert batch_settings(["gateway", "process"], ["adaptive", "64"]) == [
+        ("gateway", "adaptive"), ("gateway", "64"), ("process", "adaptive"), ("process", "64")
+    ]  # fmt: skip
+    round_ = a_round({256: 100}, 90, idle_p90=40, p90=60)
+    in_process = {**round_["batches"][0], "runner": "process", "runner_cpu_s": 2.0}
+    in_process["ttft"] = {"p50_ms": 20, "p90_ms": 44}
+    round_["batches"].append(in_process)
+    median = summarize_rounds([round_], ["adaptive", "adaptive"])
+    # A round from before the runner process had no "runner": the gateway ran the batch.
+    assert [(b["runner"], b["runner_cpu_s"]) for b in median["batches"]] == [
+        ("gateway", 0.0),
+        ("process", 2.0),
+    ]
+    assert [b["ttft_p90_vs_idle"] for b in median["batches"]] == pytest.approx([0.5, 0.1])
+
+
+@pytest.mark.parametrize(
+    ("line", "first_token"),
+    [
+        (b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n', False),
+        (b'data: {"choices":[{"delta":{"content":"Hi"},"finish_reason":null}]}\n', True),
+        # The end-of-sequence token sampled first: no content, but a token was generated.
+        (b'data: {"choices":[{"delta":{"content":""},"finish_reason":"stop"}]}\n', True),
+        (b'data: {"choices":[],"usage":{"completion_tokens":1}}\n', False),
+        (b"data: [DONE]\n", False),
+        (b"\n", False),
+    ],
+)
+def test_a_probe_times_its_first_token_even_when_it_ends_the_stream(line, first_token):
+    assert has_content(line) is first_token

@@ -21,6 +21,7 @@ MODULES = [
     "hpcserve.tinymodels",
     "hpcserve.gateway.app",
     "hpcserve.gateway.server",
+    "hpcserve.gateway.batch.process",
     "hpcserve.router.server",
     "hpcserve.router.client",
     "hpcserve.poolmgr.manager",

@@ -1,0 +1,117 @@
+"""The executor a batch runner uses outside any gateway (gateway/batch/execute.py
+RoutedExecutor, what `hpcserve batch-runner` builds): a real router on loopback, a real
+simulated engine registered with it, and a replica whose address refuses connections.
+Each outcome the runner acts on: an engine's answer (final, any status), a failed replica
+(retried elsewhere), no replica (wait), a model nobody configured (404 at once)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.gateway.batch.execute import NoReplica, ReplicaFailed, RoutedExecutor
+from hpcserve.gateway.relay import Relay
+from hpcserve.gateway.routing_client import RoutingClient
+from hpcserve.router import protocol as p
+from hpcserve.router.client import list_replicas
+from hpcserve.router.server import RouterServer
+from tests.integration.slurm_helpers import wait_for
+from tests.ports import free_port
+from tests.routers import loopback_router_config, running_router
+from tests.services import service, sim_engine_argv
+
+CHAT = msgspec.json.encode(
+    {"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "an invoice"}]}
+)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[RouterServer]:
+    """Replica "live" (a simulated engine) and "dead" (nothing listens) of model "sim"."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (
+        service(sim_engine_argv(port, "sim", 0.1), url),
+        running_router(loopback_router_config(lease_s=600.0)) as router,
+    ):
+        agents = [
+            RegistryAgent(router.config.registry_bind, p.Register("live", "sim", url)),
+            RegistryAgent(
+                router.config.registry_bind,
+                p.Register("dead", "sim", f"http://127.0.0.1:{free_port()}"),
+            ),
+        ]
+        try:
+            for agent in agents:
+                agent.register()
+            wait_for(
+                "both replicas to register",
+                lambda: len(list_replicas(router.config.routing_bind)) == 2,
+                timeout=30,
+            )
+            yield router
+        finally:
+            for agent in agents:
+                agent.close()
+
+
+def run(router: RouterServer, scenario) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        routing = RoutingClient(router.config.routing_bind, timeout_s=10.0)
+        relay = Relay(upstream_timeout_s=30.0)
+        await routing.start()
+        await relay.start()
+        try:
+            executor = RoutedExecutor(
+                routing, relay, route_hints=None, configured_models={"sim", "idle"}
+            )
+            await scenario(executor)
+        finally:
+            await relay.close()
+            await routing.close()
+
+    asyncio.run(main())
+
+
+def test_an_engine_answer_comes_back_final_with_its_replica(fleet: RouterServer) -> None:
+    async def scenario(executor: RoutedExecutor) -> None:
+        reply = await executor.execute(
+            "sim", "/v1/chat/completions", CHAT, "req_1", exclude=["dead"], hints={}
+        )
+        assert (reply.status_code, reply.replica_id) == (200, "live")
+        answer = msgspec.json.decode(reply.body)
+        assert answer["object"] == "chat.completion"
+        assert answer["usage"]["completion_tokens"] == 3
+        assert await executor.route_hints("sim", "/v1/chat/completions", CHAT) == {}
+
+    run(fleet, scenario)
+
+
+def test_a_replica_that_refuses_is_a_failure_naming_it(fleet: RouterServer) -> None:
+    async def scenario(executor: RoutedExecutor) -> None:
+        with pytest.raises(ReplicaFailed) as failed:
+            await executor.execute(
+                "sim", "/v1/chat/completions", CHAT, "req_2", exclude=["live"], hints={}
+            )
+        assert failed.value.replica_id == "dead"
+
+    run(fleet, scenario)
+
+
+def test_no_replica_waits_and_an_unknown_model_is_a_404(fleet: RouterServer) -> None:
+    async def scenario(executor: RoutedExecutor) -> None:
+        with pytest.raises(NoReplica, match="no replica of 'idle'"):
+            await executor.execute(
+                "idle", "/v1/chat/completions", CHAT, "req_3", exclude=[], hints={}
+            )
+        reply = await executor.execute(
+            "nope", "/v1/chat/completions", CHAT, "req_4", exclude=[], hints={}
+        )
+        assert reply.status_code == 404
+        assert msgspec.json.decode(reply.body)["error"]["code"] == "model_not_found"
+
+    run(fleet, scenario)
