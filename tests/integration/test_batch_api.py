@@ -79,7 +79,23 @@ def engines(router: RouterServer) -> Iterator[Engines]:
             stop(proc)
 
 
-class GatewayProcess:
+class ServiceProcess:
+    """An `hpcserve` service this test starts, stops and kills."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+class GatewayProcess(ServiceProcess):
     """`hpcserve gateway --config` on a config of this test's; restartable on one state dir."""
 
     def __init__(self, router: RouterServer, state_dir: Path, batch: dict[str, Any]) -> None:
@@ -133,21 +149,11 @@ class GatewayProcess:
                 assert time.monotonic() < deadline, "the gateway did not start"
                 time.sleep(0.1)
 
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
-
     def client(self, key: str = KEY_A) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
-class RunnerProcess:
+class RunnerProcess(ServiceProcess):
     """`hpcserve batch-runner` on a gateway's config (same store, same router)."""
 
     def __init__(self, gateway: GatewayProcess) -> None:
@@ -174,16 +180,6 @@ class RunnerProcess:
                 return False
 
         wait_for("the batch runner process to serve /metrics", up, timeout=30)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 def parse_metrics_port(config_path: Path) -> int:

@@ -20,6 +20,7 @@ from tests.routers import (
     ports_free,
     running_router,
 )
+from tests.waiting import until
 
 REPLICA = p.Register(
     "a", "docs", "http://127.0.0.1:9", model_ref="docs@1", adapters=["docs-a"], max_adapters=2
@@ -30,12 +31,6 @@ REPLICA = p.Register(
 # seconds); short only while no router is there, for the fallback on the last known set.
 UNREACHED_S = 60.0
 AWAY_S = 0.5
-
-
-async def until(what: str, probe, timeout: float = UNREACHED_S) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not probe():
-            await asyncio.sleep(0.02)
 
 
 def start(stack: ExitStack, config: RouterConfig, registry_db: Path) -> RouterServer:

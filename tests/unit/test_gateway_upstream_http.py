@@ -23,6 +23,7 @@ from hpcserve.gateway.upstream_http import (
     request_head,
     request_start,
 )
+from tests.waiting import until
 
 # -- pure parts ---------------------------------------------------------------------------
 
@@ -216,15 +217,6 @@ def client(**kwargs: float) -> UpstreamClient:
     # process descheduled for seconds must not turn a prompt answer into a timeout.
     options = {"first_byte_timeout_s": 60.0, "idle_timeout_s": 60.0, "connect_timeout_s": 60.0}
     return UpstreamClient(**{**options, **kwargs})  # type: ignore[arg-type]
-
-
-async def until(what: str, probe: Callable[[], bool], timeout: float = 60.0) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not probe():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
 def test_keep_alive_reuses_one_connection_with_nodelay_set() -> None:

@@ -5,26 +5,18 @@ in flight is left wrong by a Release or an InFlight lost with the connection."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from hpcserve.gateway.routing_client import RoutingClient
 from hpcserve.router.server import RouterServer
 from tests.routers import router_with_one_replica
 from tests.tcp_proxy import TcpProxy
+from tests.waiting import until
 
 # Out of reach unless a test shortens it: the router (a thread of this process) must not be
 # taken for gone because this process was descheduled for seconds.
 UNREACHED_S = 60.0
-
-
-async def until(what: str, probe: Callable[[], bool], timeout: float = 60.0) -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not probe():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
 def connection_releases(router: RouterServer) -> float:
