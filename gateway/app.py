@@ -40,7 +40,7 @@ from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.batch.service import BatchService
 from hpcserve.gateway.metrics import GatewayMetrics
 from hpcserve.gateway.overflow import ExternalAPI
-from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits
+from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
 from hpcserve.router.prompt_tokens import SESSION_HEADER, RouteHints
@@ -121,7 +121,16 @@ class Gateway:
             await self.external_relay.start()
         # Batch tokens too: the runner that takes the batches over (lock.py) sees this usage.
         if any(has_limits(t) or t.config.batch_tokens_per_min for t in self.keys.tenants()):
-            self._quota_sync = asyncio.create_task(self._sync_quotas(), name="quota-sync")
+            self._quota_sync = asyncio.create_task(
+                keep_quota_synced(
+                    self.quota,
+                    self.routing,
+                    self.gateway_id,
+                    self.config.quota_sync_s,
+                    self.metrics.quota_sync_failures,
+                ),
+                name="quota-sync",
+            )
         if self.batch is not None:
             await self.batch.start(self)
 
@@ -139,25 +148,6 @@ class Gateway:
             self.tracing.shutdown()
         if self._hint_pool is not None:
             self._hint_pool.shutdown(wait=False, cancel_futures=True)
-
-    async def _sync_quotas(self) -> None:
-        interval = self.config.quota_sync_s
-        while True:
-            await asyncio.sleep(interval)
-            # Also when this gateway is idle: the others' usage must stay current here.
-            usage = self.quota.report(keepalive=True) or []
-            try:
-                totals = await self.routing.sync_quota(self.gateway_id, usage)
-            except RouterUnavailable:
-                self.metrics.quota_sync_failures.inc()
-                self.quota.unsent()
-                continue
-            except Exception:  # the sync must outlive a bad reply; limits go local meanwhile
-                log.exception("quota sync failed")
-                self.metrics.quota_sync_failures.inc()
-                self.quota.unsent()
-                continue
-            self.quota.apply(totals)
 
     async def read_body(self, request: Request) -> bytes:
         declared = request.headers.get("content-length")

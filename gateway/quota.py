@@ -17,15 +17,21 @@ instead of deltas, and the new book takes it as this gateway's usage.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from hpcserve.gateway.auth import Tenant
 from hpcserve.gateway.errors import APIError
+from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
 from hpcserve.router import protocol as p
 from hpcserve.router.quota_book import Window
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
 
@@ -213,3 +219,27 @@ class QuotaGate:
             ledger.requests += usage.requests
             ledger.tokens += usage.tokens
             ledger.dirty = True
+
+
+async def keep_quota_synced(
+    gate: QuotaGate, routing: RoutingClient, sender_id: str, interval_s: float, failures: Counter
+) -> None:
+    """Every `interval_s`, this process's usage to the router's quota book and every other
+    process's totals back into `gate` (a gateway's, or the batch runner's); runs until
+    cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        # Also when this process is idle: the others' usage must stay current here.
+        usage = gate.report(keepalive=True) or []
+        try:
+            totals = await routing.sync_quota(sender_id, usage)
+        except RouterUnavailable:
+            failures.inc()
+            gate.unsent()
+            continue
+        except Exception:  # the sync must outlive a bad reply; limits go local meanwhile
+            log.exception("quota sync failed")
+            failures.inc()
+            gate.unsent()
+            continue
+        gate.apply(totals)

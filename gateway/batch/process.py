@@ -34,9 +34,9 @@ from hpcserve.gateway.batch.lock import RunnerLock
 from hpcserve.gateway.batch.runner import BatchMetrics, BatchRunner
 from hpcserve.gateway.batch.service import loads_from
 from hpcserve.gateway.batch.store import BatchStore
-from hpcserve.gateway.quota import QuotaGate
+from hpcserve.gateway.quota import QuotaGate, keep_quota_synced
 from hpcserve.gateway.relay import Relay
-from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
+from hpcserve.gateway.routing_client import RoutingClient
 from hpcserve.router.prompt_tokens import route_hints_for
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,17 @@ class RunnerProcess:
             lock=RunnerLock(self.store.root, "process", name="batch-runner"),
         )
         if any(t.batch_tokens_per_min for t in tenants.values()):
-            self._quota_sync = asyncio.create_task(self._sync_quotas(), name="quota-sync")
+            self._quota_sync = asyncio.create_task(
+                # As a gateway's: a gateway in standby that takes over sees what this one used.
+                keep_quota_synced(
+                    self.quota,
+                    self.routing,
+                    self.quota_id,
+                    self.config.gateway.quota_sync_s,
+                    self.quota_sync_failures,
+                ),
+                name="quota-sync",
+            )
         await self.runner.start()
 
     async def close(self) -> None:
@@ -103,25 +113,6 @@ class RunnerProcess:
         await self.routing.close()
         if self.store is not None:
             self.store.close()
-
-    async def _sync_quotas(self) -> None:
-        """As a gateway's: this process's batch tokens to the router's quota book, and the
-        others' back (a gateway in standby that takes over sees what this one used)."""
-        while True:
-            await asyncio.sleep(self.config.gateway.quota_sync_s)
-            usage = self.quota.report(keepalive=True) or []
-            try:
-                totals = await self.routing.sync_quota(self.quota_id, usage)
-            except RouterUnavailable:
-                self.quota_sync_failures.inc()
-                self.quota.unsent()
-                continue
-            except Exception:
-                log.exception("quota sync failed")
-                self.quota_sync_failures.inc()
-                self.quota.unsent()
-                continue
-            self.quota.apply(totals)
 
 
 async def serve(config: PlatformConfig, registry: CollectorRegistry) -> None:
