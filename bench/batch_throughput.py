@@ -83,7 +83,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.results import write_results  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
-from hpcserve.router.client import list_replicas  # noqa: E402
+from hpcserve.contracts.router_client import list_replicas  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 KEY = "sk-bench-batch"

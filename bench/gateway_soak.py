@@ -35,8 +35,8 @@ import aiohttp  # noqa: E402
 from bench.http_wait import wait_http  # noqa: E402
 from bench.results import write_results  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.contracts import protocol as p  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
-from hpcserve.router import protocol as p  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 KEY = "sk-soak"
@@ -132,7 +132,7 @@ def main() -> None:
     stop = threading.Event()
     try:
         spawn([py, "-m", "hpcserve.cli", "router", "--config", str(path)])
-        spawn([py, "-m", "hpcserve.engine_launch.sim_engine", "--port", str(engine_port),
+        spawn([py, "-m", "hpcserve.sim.launch", "--port", str(engine_port),
                "--served-model-name", MODEL, "--decode-ms-per-token", "1"])  # fmt: skip
         gateway = spawn([py, "-m", "hpcserve.cli", "gateway", "--config", str(path)])
         base = f"http://127.0.0.1:{gateway_port}"

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.results import write_results  # noqa: E402
 from hpcserve.config import RouterConfig  # noqa: E402
-from hpcserve.router.client import list_replicas  # noqa: E402
+from hpcserve.contracts.router_client import list_replicas  # noqa: E402
 from hpcserve.router.server import RouterServer  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 

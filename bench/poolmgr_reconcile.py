@@ -28,8 +28,8 @@ from bench.results import write_results  # noqa: E402
 from hpcserve.config import parse_config  # noqa: E402
 from hpcserve.localslurm import LocalSlurm, LocalSlurmSpec  # noqa: E402
 from hpcserve.poolmgr.manager import PoolManager  # noqa: E402
-from hpcserve.poolmgr.slurm import SlurmCLI  # noqa: E402
 from hpcserve.poolmgr.spec import pool_spec_digest  # noqa: E402
+from hpcserve.slurm.client import SlurmCLI  # noqa: E402
 from tests.integration.slurm_helpers import free_port_block  # noqa: E402
 
 SCRIPT = "#!/bin/bash\n#SBATCH --gres=gpu:1\n#SBATCH -o /dev/null\nsleep 1\n"

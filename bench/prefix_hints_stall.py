@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.results import write_results  # noqa: E402
 from hpcserve.config import GatewayConfig  # noqa: E402
+from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints  # noqa: E402
 from hpcserve.gateway import app as gateway_app  # noqa: E402
-from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
 
 SIZES_KB = (1, 4, 16, 64)

@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 from bench.http_wait import wait_http  # noqa: E402
 from bench.results import write_results  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.contracts import protocol as p  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
-from hpcserve.router import protocol as p  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 KEY = "sk-bench"
@@ -206,7 +206,7 @@ class _StaticRouting:
     """Every request to one upstream, no router (bench only: the 'routing' rung adds it)."""
 
     def __init__(self, url: str) -> None:
-        from hpcserve.router import protocol as p
+        from hpcserve.contracts import protocol as p
 
         self.reply = p.RouteReply(0, "static", url)
 
@@ -223,7 +223,7 @@ class _StaticRouting:
         pass
 
     async def sync_quota(self, gateway_id, usage):  # type: ignore[no-untyped-def]
-        from hpcserve.router import protocol as p
+        from hpcserve.contracts import protocol as p
 
         return p.QuotaTotals(0)
 

@@ -44,11 +44,11 @@ else:
     sys.path.insert(0, str(ROOT))
 
 from hpcserve.config import RoutingConfig  # noqa: E402
-from hpcserve.router import kv_wire as kw  # noqa: E402
-from hpcserve.router import protocol as p  # noqa: E402
+from hpcserve.contracts import kv_wire as kw  # noqa: E402
+from hpcserve.contracts import protocol as p  # noqa: E402
+from hpcserve.contracts.prefix_hash import prompt_block_hashes  # noqa: E402
 from hpcserve.router.decide import Decider  # noqa: E402
 from hpcserve.router.kv_subscriber import KvEventSubscriber  # noqa: E402
-from hpcserve.router.prefix_hash import prompt_block_hashes  # noqa: E402
 from hpcserve.router.prefix_index import PrefixIndex  # noqa: E402
 from hpcserve.router.registry import Registry  # noqa: E402
 
@@ -257,7 +257,7 @@ def export_revision(rev: str, into: Path) -> Path:
         ["git", "-C", str(ROOT), "archive", "--format=tar", rev], check=True, capture_output=True
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    if (tree / "setup.py").exists():  # its compiled part (router/_blockhash.c), built in place
+    if (tree / "setup.py").exists():  # its compiled part (contracts/_blockhash.c), built in place
         subprocess.run(
             [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
             cwd=tree,

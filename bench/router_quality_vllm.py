@@ -69,7 +69,7 @@ from bench.workload import (  # noqa: E402
     summarize,
 )
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
-from hpcserve.router.client import list_replicas  # noqa: E402
+from hpcserve.contracts.router_client import list_replicas  # noqa: E402
 from hpcserve.sim.tokenizer import load_tokenizer  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
 from tests.ports import free_ports  # noqa: E402

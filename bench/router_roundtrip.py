@@ -1,5 +1,5 @@
 """What a routing decision adds to a request, seen from a gateway process, with the router's
-routing socket as libzmq's ROUTER and as ZMTP on plain sockets (router/zmtp.py), side by side.
+routing socket as libzmq's ROUTER and as ZMTP on plain sockets (contracts/zmtp.py), side by side.
 
 Two routers run in their own processes (as deployed), pinned to core 1 (`--router-core`),
 one per routing socket, each with REPLICAS replicas registered (no KV events, no heartbeats).
@@ -48,9 +48,9 @@ from bench import proxy_overhead as ladder  # noqa: E402
 from bench.http_wait import wait_http  # noqa: E402
 from bench.results import write_results  # noqa: E402
 from hpcserve.config import RouterConfig, dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.contracts import protocol as p  # noqa: E402
+from hpcserve.contracts.prefix_hash import prompt_block_hashes  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
-from hpcserve.router import protocol as p  # noqa: E402
-from hpcserve.router.prefix_hash import prompt_block_hashes  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 REPLICAS = 8
@@ -127,7 +127,7 @@ async def client_case(endpoint: str, router_pid: int, n: int, concurrency: int) 
 
 
 def hints_cost() -> float:
-    from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints
+    from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
     from hpcserve.tinymodels import make_tiny_model
 
     with tempfile.TemporaryDirectory() as d:

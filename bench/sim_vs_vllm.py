@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results import write_results  # noqa: E402
-from hpcserve.router import kv_wire as kw  # noqa: E402
+from hpcserve.contracts import kv_wire as kw  # noqa: E402
 from hpcserve.tinymodels import make_tiny_model  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
@@ -98,7 +98,7 @@ def start(kind: str, model: Path, port: int, pub: int, log: Path) -> subprocess.
               "--block-size", str(BLOCK), "--kv-events-config", events,
               "--max-model-len", "1024"]  # fmt: skip
     if kind == "sim":
-        argv = [sys.executable, "-m", "hpcserve.engine_launch.sim_engine", "--model", str(model),
+        argv = [sys.executable, "-m", "hpcserve.sim.launch", "--model", str(model),
                 "--time-scale", "0.01", *common]  # fmt: skip
     else:
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from hpcserve.router import protocol as p
-from hpcserve.router.curve import make_client
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.curve import make_client
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class RegistryAgent:
         # A router that is down, or refuses our CURVE key, must never block the engine's loop.
         self._sock.setsockopt(zmq.SNDTIMEO, 0)
         self._sock.setsockopt(zmq.SNDHWM, 16)
-        if curve_dir:  # router/curve.py: the cluster's engine key
+        if curve_dir:  # contracts/curve.py: the cluster's engine key
             make_client(self._sock, Path(curve_dir))
         self._sock.connect(endpoint)
         self.registered = False

@@ -24,6 +24,7 @@ import ctypes
 import itertools
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -37,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcserve.contracts import protocol as p
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.engine_launch.engine_ports import (
     HTTP,
@@ -57,13 +59,13 @@ from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, to
 from hpcserve.engine_launch.vllm_args import (
     EngineSpec,
     block_size,
+    describe_env,
     kv_events_args,
     vllm_argv,
     vllm_env,
 )
 from hpcserve.port_reservations import PortReservation
 from hpcserve.ports import reserve_ports
-from hpcserve.router import protocol as p
 
 if TYPE_CHECKING:
     from hpcserve.health.replica import EngineHealth, WorkerHealth
@@ -104,7 +106,7 @@ class EngineOptions:
     head_connect_timeout_s: float = 120.0
     # LoRA on: the pool's plan (engine_launch/lora.py), written by the pool manager.
     lora_plan: str = ""
-    # CURVE keys for the registry socket (router/curve.py); empty: plain.
+    # CURVE keys for the registry socket (contracts/curve.py); empty: plain.
     curve_dir: str = ""
     # The pool's role (pools[].role), told to the router in Register.
     role: str = "interactive"
@@ -297,11 +299,10 @@ class EngineRunner:
 
     def start_vllm(self) -> None:
         argv = vllm_argv(self.spec)
+        env = vllm_env(self.spec, os.environ)
         what = "headless vLLM" if self.spec.headless else "vLLM"
-        log.info("starting %s: %s", what, " ".join(argv))
-        self.process = subprocess.Popen(
-            argv, env=vllm_env(self.spec, os.environ), preexec_fn=_die_with_parent
-        )
+        log.info("starting %s: %s (environment: %s)", what, shlex.join(argv), describe_env(env))
+        self.process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
 
     def launch_vllm(self) -> None:
         """Start vLLM and wait until it is ready; restart it on new ports when it exited

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from hpcserve.router.protocol import ReplicaLoad
+from hpcserve.contracts.protocol import ReplicaLoad
 
 _FIELDS = {
     "vllm:num_requests_running": "running",

@@ -25,24 +25,13 @@ from pathlib import Path
 
 import msgspec
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.lora_plan import LoraPlan
 
 log = logging.getLogger(__name__)
 
 # The registry has no versions for adapters: their cache key is NAME@1-<digest>.
 ADAPTER_CACHE_VERSION = 1
-
-
-class StaticAdapter(msgspec.Struct, frozen=True):
-    name: str
-    source: str
-    manifest: str  # the adapter's digest manifest, JSON text
-
-
-class LoraPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    max_loras: int
-    max_lora_rank: int
-    adapters: list[StaticAdapter] = []
 
 
 def read_plan(path: str) -> LoraPlan:

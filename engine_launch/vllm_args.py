@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hpcserve.contracts.engine_args import engine_block_size
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -75,20 +77,6 @@ def _multinode_args(spec: EngineSpec) -> list[str]:
 
 # vLLM's block size when --block-size is not given: 128 on the CPU build, 16 on GPUs
 # (and in the simulator, which models a GPU).
-DEFAULT_BLOCK_SIZE = {"vllm-cpu": 128, "vllm": 16, "sim": 16}
-
-
-def engine_block_size(engine: str, extra_args: Sequence[str]) -> int:
-    """The KV block size the engine will use (0 when unknown)."""
-    args = list(extra_args)
-    for i, arg in enumerate(args):
-        if arg == "--block-size" and i + 1 < len(args) and args[i + 1].isdigit():
-            return int(args[i + 1])
-        if arg.startswith("--block-size=") and arg.partition("=")[2].isdigit():
-            return int(arg.partition("=")[2])
-    return DEFAULT_BLOCK_SIZE.get(engine, 0)
-
-
 def block_size(spec: EngineSpec) -> int:
     return engine_block_size(spec.engine, spec.extra_args)
 
@@ -111,14 +99,6 @@ def kv_events_args(spec: EngineSpec) -> list[str]:
     return ["--kv-events-config", json.dumps(config)]
 
 
-def scheduling_args(policy: str, engine_args: Sequence[str]) -> list[str]:
-    """`--scheduling-policy` for a pool's policy; none for vLLM's default (fcfs) or when the
-    pool's engine_args set it themselves."""
-    if policy == "fcfs" or any(a.startswith("--scheduling-policy") for a in engine_args):
-        return []
-    return ["--scheduling-policy", policy]
-
-
 def lora_args(spec: EngineSpec) -> list[str]:
     if spec.max_loras <= 0:
         return []
@@ -135,7 +115,7 @@ def lora_args(spec: EngineSpec) -> list[str]:
 def vllm_argv(spec: EngineSpec) -> list[str]:
     if spec.engine == "sim" and spec.headless:
         # The simulated engine has no workers: a headless rank only waits to be stopped.
-        return [spec.python, "-m", "hpcserve.engine_launch.sim_engine", "--headless"]
+        return [spec.python, "-m", "hpcserve.sim.launch", "--headless"]
     if spec.headless:
         # `vllm serve --headless`: the API server module would ignore --headless (see
         # vllm_serve.py for why this is not `vllm serve` or `python -m vllm.entrypoints.cli.main`).
@@ -150,7 +130,7 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
         ]  # fmt: skip
     if spec.engine == "sim":
         return [
-            spec.python, "-m", "hpcserve.engine_launch.sim_engine",
+            spec.python, "-m", "hpcserve.sim.launch",
             # The simulator reads the tokenizer and config.json there, when it exists.
             "--model", spec.model_path,
             "--served-model-name", spec.served_model_name,
@@ -198,7 +178,12 @@ def vllm_env(
         # The router loads and unloads adapters at run time (router/adapters.py).
         env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
     if spec.engine == "vllm-cpu":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if _has_flag(spec.extra_args, "--kv-cache-memory-bytes"):
+            # The CPU build lets VLLM_CPU_KVCACHE_SPACE win over the flag: the pool's own
+            # argument must, so the variable goes (one inherited from the job too).
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if spec.tensor_parallel * spec.pipeline_parallel > 1:
             # Without an explicit binding the CPU build asserts about NUMA nodes. One core per
             # worker of this node; each node rank starts at its own core, so ranks that share
@@ -210,3 +195,24 @@ def vllm_env(
                 "|".join(str((first + i) % cores) for i in range(spec.local_world_size)),
             )
     return env
+
+
+def _has_flag(args: Sequence[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
+
+
+# What the engine's log shows of vLLM's environment: the variables that steer it.
+_LOGGED_ENV_PREFIXES = ("VLLM_", "HF_", "OMP_", "CUDA_", "NCCL_", "TRANSFORMERS_", "PYTHONHASHSEED")
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def describe_env(env: Mapping[str, str]) -> str:
+    """The variables that steer vLLM, as `NAME=value` in name order, secrets masked."""
+    shown = []
+    for name in sorted(env):
+        if not name.startswith(_LOGGED_ENV_PREFIXES):
+            continue
+        value = "***" if any(word in name.upper() for word in _SECRET_WORDS) else env[name]
+        shown.append(f"{name}={value}")
+    return " ".join(shown)
+

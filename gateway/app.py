@@ -33,6 +33,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hpcserve.config import GatewayConfig
+from hpcserve.contracts.prompt_tokens import SESSION_HEADER, RouteHints
+from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
 from hpcserve.gateway import errors, validate
 from hpcserve.gateway.auth import KeyRing, Tenant
 from hpcserve.gateway.batch.handlers import batch_routes
@@ -43,8 +45,6 @@ from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
-from hpcserve.router.prompt_tokens import SESSION_HEADER, RouteHints
-from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET
 
 if TYPE_CHECKING:
     from hpcserve.gateway.tracing import Tracing
@@ -349,7 +349,7 @@ class Gateway:
     async def prefix_hints(
         self, model: str, body: bytes, headers: Mapping[str, str]
     ) -> dict[str, Any]:
-        """The Route fields for prefix-aware routing (router/prompt_tokens.py RouteHints).
+        """The Route fields for prefix-aware routing (contracts/prompt_tokens.py RouteHints).
         A body over `INLINE_HINT_BYTES` is decoded and tokenized on a small thread pool, so
         that a long prompt does not stall every other request on the event loop; with
         `MAX_HINTS_WAITING` already waiting there, the request goes without prefix hints

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.rate_window import Window
 from hpcserve.gateway.auth import Tenant
 from hpcserve.gateway.errors import APIError
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
-from hpcserve.router import protocol as p
-from hpcserve.router.quota_book import Window
 
 if TYPE_CHECKING:
     from prometheus_client import Counter

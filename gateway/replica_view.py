@@ -17,7 +17,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 
 log = logging.getLogger(__name__)
 

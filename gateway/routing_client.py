@@ -37,9 +37,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.replica_view import ReplicaView
 from hpcserve.gateway.zmtp_dealer import ZmtpDealer
-from hpcserve.router import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +279,7 @@ class RoutingClient:
         exclude: list[str] | None = None,
         **hints: Any,
     ) -> p.RouteReply:
-        """`hints`: Route's prefix-routing fields (router/prompt_tokens.py RouteHints).
+        """`hints`: Route's prefix-routing fields (contracts/prompt_tokens.py RouteHints).
         While the router is away, routes on the last replica set it listed (ReplicaView)."""
         assert self._loop is not None, "RoutingClient.start() was not awaited"
         give_up_at = self._loop.time() + self.adapter_wait_s

@@ -9,7 +9,7 @@ import uvicorn
 from hpcserve.config import PlatformConfig
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.batch.service import BatchService
-from hpcserve.router.prompt_tokens import route_hints_for
+from hpcserve.gateway.route_hints import route_hints_for
 
 
 def build_gateway_app(config: PlatformConfig):  # type: ignore[no-untyped-def]

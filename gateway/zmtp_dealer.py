@@ -1,6 +1,6 @@
 """A ZeroMQ DEALER that lives in the asyncio event loop: ZMTP 3.0, NULL mechanism.
 
-The gateway's side of the routing conversation (router/zmtp.py has the wire format, shared
+The gateway's side of the routing conversation (contracts/zmtp.py has the wire format, shared
 with the router's side, and why neither uses libzmq): a send is one write() on the loop's
 transport and a reply arrives with the loop's own poll, like any HTTP connection. The
 connection is retried every `reconnect_s` while it is down (libzmq's default interval).
@@ -15,7 +15,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from hpcserve.router.zmtp import (
+from hpcserve.contracts.zmtp import (
     GREETING,
     ZmtpError,
     ZmtpParser,

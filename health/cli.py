@@ -19,15 +19,16 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, write_to_textfile
 
 from hpcserve.config import ConfigError, HealthConfig, PlatformConfig, load_config
+from hpcserve.contracts.health_policy import severity, worst_action
+from hpcserve.contracts.protocol import HealthFinding
 from hpcserve.health.dcgm import dcgm_findings
 from hpcserve.health.engine_checks import GenerationProbe
 from hpcserve.health.gpu_checks import GpuChecks, XidWatcher, pci_map, select_gpus
 from hpcserve.health.kernel_xids import read_kmsg, read_seq, write_seq, xids_since
 from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.health.nvml import NvmlUnavailable, fake_state_path, open_nvml
-from hpcserve.health.policy import Policy, severity, worst_action
+from hpcserve.health.policy import Policy
 from hpcserve.health.resume import read_count, resume_step, write_count
-from hpcserve.router.protocol import HealthFinding
 
 
 def add_health_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -111,7 +112,7 @@ class _Check:
     @property
     def slurm(self):  # type: ignore[no-untyped-def]
         if self._slurm is None:
-            from hpcserve.poolmgr.slurm import SlurmCLI
+            from hpcserve.slurm.client import SlurmCLI
 
             env = dict(os.environ)
             if self.config.slurm.conf:
@@ -244,7 +245,7 @@ class _Check:
 
 
 def cmd_health_check(args: argparse.Namespace) -> int:
-    from hpcserve.poolmgr.slurm import SlurmError
+    from hpcserve.slurm.client import SlurmError
 
     try:
         config = _config(args.config)

@@ -12,8 +12,8 @@ import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hpcserve.contracts.protocol import HealthFinding
 from hpcserve.health.policy import Policy
-from hpcserve.router.protocol import HealthFinding
 
 Runner = Callable[[list[str], float], "subprocess.CompletedProcess[str]"]
 

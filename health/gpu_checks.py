@@ -18,8 +18,8 @@ from typing import Any
 
 import pynvml
 
+from hpcserve.contracts.protocol import HealthFinding
 from hpcserve.health.policy import Policy
-from hpcserve.router.protocol import HealthFinding
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,12 @@ import msgspec
 import pynvml
 
 from hpcserve.config import HealthConfig
+from hpcserve.contracts.health_policy import severity, worst_action
+from hpcserve.contracts.protocol import HealthFinding
 from hpcserve.health.engine_checks import GenerationProbe, TokenProgress, parse_counters
 from hpcserve.health.gpu_checks import GpuChecks, XidWatcher, parse_visible_devices, select_gpus
 from hpcserve.health.nvml import NvmlUnavailable, fake_state_path, open_nvml
-from hpcserve.health.policy import Policy, severity, worst_action
-from hpcserve.router.protocol import HealthFinding
+from hpcserve.health.policy import Policy
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter
 
 from hpcserve.config import HealthConfig
-from hpcserve.health.policy import drain_reason, severity
-from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
-from hpcserve.router.client import RouterQueryError, list_health_events
-from hpcserve.router.protocol import HealthEvent, HealthEvents, HealthFinding
+from hpcserve.contracts.health_policy import drain_reason, severity
+from hpcserve.contracts.protocol import HealthEvent, HealthEvents, HealthFinding
+from hpcserve.contracts.router_client import RouterQueryError, list_health_events
+from hpcserve.slurm.client import SlurmClient, SlurmError
 
 log = logging.getLogger(__name__)
 

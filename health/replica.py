@@ -20,9 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.health_policy import drain_reason, severity, worst_action
 from hpcserve.health.monitor import HealthMonitor, ReplicaHealth, monitor_for_engine
-from hpcserve.health.policy import drain_reason, severity, worst_action
-from hpcserve.router import protocol as p
 
 log = logging.getLogger(__name__)
 

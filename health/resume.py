@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcserve.health.policy import drained_by_hpcserve
+from hpcserve.contracts.health_policy import drained_by_hpcserve
 
 
 @dataclass(frozen=True)

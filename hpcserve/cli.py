@@ -9,21 +9,17 @@ import signal
 import sys
 from pathlib import Path
 
-from hpcserve.config import ConfigError, PlatformConfig, load_config
-
-DEFAULT_STATE_DIR = ".state"
-
-
-def _config_path(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    if os.environ.get("HPCSERVE_CONFIG"):
-        return Path(os.environ["HPCSERVE_CONFIG"])
-    return Path(DEFAULT_STATE_DIR) / "hpcserve.toml"
+from hpcserve.config import (
+    DEFAULT_STATE_DIR,
+    ConfigError,
+    PlatformConfig,
+    config_path,
+    load_config,
+)
 
 
 def _load(args: argparse.Namespace) -> PlatformConfig:
-    return load_config(_config_path(args.config))
+    return load_config(config_path(args.config))
 
 
 def _start_metrics(port: int, registry: object) -> None:
@@ -84,7 +80,7 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     if args.check:
-        print(f"config {_config_path(args.config)} is valid")
+        print(f"config {config_path(args.config)} is valid")
         for pool in cfg.pools:
             size = f"{pool.replicas}..{pool.max_replicas}" if pool.max_replicas else pool.replicas
             print(
@@ -99,7 +95,7 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     launcher = make_launcher(cfg)
     manager = PoolManager(
-        cfg, launcher, config_path=_config_path(args.config), metrics_registry=registry
+        cfg, launcher, config_path=config_path(args.config), metrics_registry=registry
     )
     _start_metrics(cfg.poolmgr.metrics_port, registry)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -227,7 +223,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from hpcserve.router.curve import CurveError, generate_keys
+    from hpcserve.contracts.curve import CurveError, generate_keys
 
     directory = Path(args.dir) if args.dir else Path(_load(args).state_dir) / "curve"
     try:
@@ -257,7 +253,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 def cmd_node(args: argparse.Namespace) -> int:
     from hpcserve.poolmgr.launchers import make_launcher
-    from hpcserve.poolmgr.slurm import SlurmError
+    from hpcserve.slurm.client import SlurmError
 
     client = make_launcher(_load(args))
     try:

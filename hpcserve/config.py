@@ -8,6 +8,7 @@ the parsed objects; nothing re-reads the file behind their back.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -338,11 +339,11 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # An engine out of routing this long for an engine finding is stopped (the job fails).
     give_up_s: PosFloat = 300.0
     max_temperature_c: PosInt = 90
-    # Actions per Xid ("79" = "drain_reset"), over the built-in table (hpcserve/health/policy.py).
+    # Actions per Xid ("79" = "drain_reset"), over the built-in table (contracts/health_policy.py).
     xid_actions: dict[str, HealthAction] = {}
     # Xids in neither table.
     xid_default: HealthAction = "log"
-    # Actions per check name, over the defaults (hpcserve/health/policy.py).
+    # Actions per check name, over the defaults (contracts/health_policy.py).
     actions: dict[str, HealthAction] = {}
     # Site hook for "drain_reset": argv; "{node}" and "{reason}" are filled in.
     reset_hook: list[str] = []
@@ -530,7 +531,7 @@ def _check_elastic(i: int, pool: PoolConfig) -> None:
 
 
 def _check_health(health: HealthConfig) -> None:
-    from hpcserve.health.policy import CHECKS
+    from hpcserve.contracts.health_policy import CHECKS
 
     for key in health.xid_actions:
         if not key.isdigit():
@@ -675,3 +676,15 @@ def _to_toml(data: dict[str, object]) -> str:
             lines.append(f"\n[[{key}]]")
             lines.extend(f"{_toml_key(ik)} = {_toml_value(iv)}" for ik, iv in item.items())
     return "\n".join(lines) + "\n"
+
+
+DEFAULT_STATE_DIR = ".state"
+
+
+def config_path(arg: str | None) -> Path:
+    """The config file a command reads: --config, else $HPCSERVE_CONFIG, else .state's."""
+    if arg:
+        return Path(arg)
+    if os.environ.get("HPCSERVE_CONFIG"):
+        return Path(os.environ["HPCSERVE_CONFIG"])
+    return Path(DEFAULT_STATE_DIR) / "hpcserve.toml"

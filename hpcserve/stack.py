@@ -245,7 +245,7 @@ class Stack:
         return f"http://{host}:{config.gateway.port}"
 
     def _wait_for_replica(self, config: PlatformConfig, timeout_s: float) -> None:
-        from hpcserve.router.client import RouterQueryError, list_models
+        from hpcserve.contracts.router_client import RouterQueryError, list_models
 
         wanted = {pool.model for pool in config.pools if pool.replicas > 0}
         started = time.monotonic()
@@ -338,7 +338,7 @@ class Stack:
 
     def down(self) -> int:
         from hpcserve.localslurm import LocalSlurm
-        from hpcserve.poolmgr.slurm import SlurmError
+        from hpcserve.slurm.client import SlurmError
 
         config = load_config(self.config_path) if self.config_path.exists() else None
         local_cluster = None

@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 
 from hpcserve.config import PlatformConfig, PoolConfig
+from hpcserve.contracts.router_client import RouterQueryError, list_replicas
 from hpcserve.poolmgr.identity import parse_comment
 from hpcserve.poolmgr.state_files import PoolStatus, read_status
-from hpcserve.router.client import RouterQueryError, list_replicas
 
 
 def collect_jobs(config: PlatformConfig) -> list[dict[str, Any]]:

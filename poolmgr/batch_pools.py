@@ -1,7 +1,7 @@
 """Elastic batch pools in the pool manager: each poll, the size of every batch pool with
 `max_replicas`, from the Batch API backlog and the cluster's idle GPUs.
 
-The backlog is read from the batch store (gateway/batch/backlog.py): one SQLite database on
+The backlog is read from the batch store (contracts/batch_backlog.py): one SQLite database on
 the control node shared by every gateway, so one read is the whole backlog however many
 gateways run, and nothing has to report it. A batch line may name a LoRA adapter as its
 model: its requests count against the batch pool whose registry version the adapter is
@@ -22,13 +22,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Gauge
 
 from hpcserve.config import PlatformConfig, PoolConfig
-from hpcserve.gateway.batch.backlog import BacklogReadError, read_backlog
+from hpcserve.contracts.batch_backlog import BacklogReadError, read_backlog
 from hpcserve.modelcache.registry import Registry, RegistryError
 from hpcserve.poolmgr.batch_sizing import BatchPoolView, batch_pool_size
 from hpcserve.poolmgr.placement import free_room
 from hpcserve.poolmgr.reconcile import ObservedJob
-from hpcserve.poolmgr.slurm_parse import SlurmNode
 from hpcserve.poolmgr.spec import job_partition
+from hpcserve.slurm.parse import SlurmNode
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hpcserve.poolmgr.job_states import Transition
-from hpcserve.poolmgr.slurm_parse import JobState
+from hpcserve.slurm.parse import JobState
 
 FAILURE_STATES = frozenset({
     JobState.FAILED, JobState.NODE_FAIL, JobState.OUT_OF_MEMORY, JobState.BOOT_FAIL,

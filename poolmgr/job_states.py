@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from hpcserve.poolmgr.identity import JobIdentity
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+from hpcserve.slurm.parse import JobState, SlurmJob
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpcserve.config import PlatformConfig
-from hpcserve.poolmgr.slurm import SlurmClient, SlurmError, make_slurm_client
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode, SqueueSnapshot
+from hpcserve.slurm.client import SlurmClient, SlurmError, make_slurm_client
+from hpcserve.slurm.parse import JobState, SlurmJob, SlurmNode, SqueueSnapshot
 
 log = logging.getLogger(__name__)
 

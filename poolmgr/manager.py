@@ -22,6 +22,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import ConfigError, PlatformConfig, PoolConfig, load_config
+from hpcserve.contracts.protocol import ReplicaInfo
+from hpcserve.contracts.router_client import RouterQueryError, list_replicas
 from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.modelcache.registry import RegistryError
 from hpcserve.poolmgr.batch_pools import BatchPools, is_elastic
@@ -41,8 +43,6 @@ from hpcserve.poolmgr.reconcile import (
 )
 from hpcserve.poolmgr.registry_usage import RegistryUsage
 from hpcserve.poolmgr.render import render
-from hpcserve.poolmgr.slurm import SlurmClient, SlurmError
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmNode
 from hpcserve.poolmgr.spec import (
     build_job_spec,
     job_log_dir,
@@ -51,8 +51,8 @@ from hpcserve.poolmgr.spec import (
     resolve_model,
 )
 from hpcserve.poolmgr.state_files import PoolMgrStatus, PoolStatus, read_overrides, write_status
-from hpcserve.router.client import RouterQueryError, list_replicas
-from hpcserve.router.protocol import ReplicaInfo
+from hpcserve.slurm.client import SlurmClient, SlurmError
+from hpcserve.slurm.parse import JobState, SlurmNode
 
 log = logging.getLogger(__name__)
 

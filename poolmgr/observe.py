@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hpcserve.contracts.protocol import ReplicaInfo
 from hpcserve.poolmgr.identity import JobIdentity, parse_comment
 from hpcserve.poolmgr.reconcile import ObservedJob
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
-from hpcserve.router.protocol import ReplicaInfo
+from hpcserve.slurm.parse import JobState, SlurmJob, SlurmNode
 
 
 @dataclass(frozen=True)

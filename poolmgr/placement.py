@@ -32,7 +32,7 @@ import re
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from hpcserve.poolmgr.slurm_parse import (
+from hpcserve.slurm.parse import (
     JobState,
     SlurmJob,
     SlurmNode,

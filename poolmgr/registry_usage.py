@@ -15,8 +15,8 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
+from hpcserve.contracts.protocol import ReplicaInfo
 from hpcserve.modelcache.registry import Registry, RegistryError
-from hpcserve.router.protocol import ReplicaInfo
 
 log = logging.getLogger(__name__)
 

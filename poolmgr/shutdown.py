@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from hpcserve.config import PlatformConfig
 from hpcserve.poolmgr.identity import parse_comment
-from hpcserve.poolmgr.slurm import SlurmClient
-from hpcserve.poolmgr.slurm_parse import JobState
+from hpcserve.slurm.client import SlurmClient
+from hpcserve.slurm.parse import JobState
 
 
 def drain_all_jobs(client: SlurmClient, config: PlatformConfig, say: Callable[[str], None]) -> None:

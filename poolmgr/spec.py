@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from hpcserve.config import HealthConfig, PlatformConfig, PoolConfig
-from hpcserve.engine_launch.vllm_args import scheduling_args
+from hpcserve.contracts.engine_args import scheduling_args
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.render import JobSpec
 from hpcserve.poolmgr.state_files import write_atomic
@@ -126,7 +126,7 @@ def write_lora_plan(config: PlatformConfig, pool: PoolConfig) -> str:
     Raises RegistryError naming an adapter the registry does not have."""
     if pool.max_loras <= 0:
         return ""
-    from hpcserve.engine_launch.lora import LoraPlan, StaticAdapter
+    from hpcserve.contracts.lora_plan import LoraPlan, StaticAdapter
     from hpcserve.modelcache.registry import Registry, RegistryError
 
     with Registry(Path(config.registry_path())) as registry:
@@ -195,7 +195,7 @@ def build_job_spec(
 
 
 def _curve_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
-    """Where the engine finds its CURVE keys (router/curve.py); none in plain mode."""
+    """Where the engine finds its CURVE keys (contracts/curve.py); none in plain mode."""
     if not config.router.curve_dir:
         return ()
     return (("HPCSERVE_CURVE_DIR", config.router.curve_dir),)

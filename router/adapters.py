@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.policies.pool_roles import role_replicas
 from hpcserve.router.registry import Replica
 from hpcserve.router.registry_catalog import RegistryCatalog

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcserve.contracts import protocol as p
 from hpcserve.modelcache.registry import Alias
-from hpcserve.router import protocol as p
 from hpcserve.router.registry import Registry, Replica
 from hpcserve.router.registry_catalog import RegistryCatalog
 

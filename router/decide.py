@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from hpcserve.config import RoutingConfig
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.affinity import SessionAffinity
 from hpcserve.router.approx_index import RoutedPrefixes
 from hpcserve.router.kv_subscriber import KvEventSubscriber

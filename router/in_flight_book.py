@@ -11,7 +11,7 @@ it still has in flight (gateway/routing_client.py). A release only undoes what i
 connection booked: one left over from a dropped connection is ignored.
 
 A half-open connection (the gateway's side gone without a word) keeps its bookings until
-the router's side notices (TCP keepalive, router/zmtp.py): an overcount for that long.
+the router's side notices (TCP keepalive, contracts/zmtp.py): an overcount for that long.
 """
 
 from __future__ import annotations

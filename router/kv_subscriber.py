@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from hpcserve.router import kv_wire as kw
+from hpcserve.contracts import kv_wire as kw
 from hpcserve.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from hpcserve.router import kv_wire as kw
-from hpcserve.router.prefix_hash import (
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts.prefix_hash import (
     chain_hashes,
     chain_seed,
     msgpack_array_length,

@@ -33,12 +33,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from hpcserve.router.protocol import ReplicaLoad
+from hpcserve.contracts.protocol import ReplicaLoad
 
 if TYPE_CHECKING:
     from hpcserve.router.registry import Replica
-
-OVER_QUEUE_BUDGET = "over_queue_budget"
 
 # Weight of the newest completion interval in the EWMA.
 _ALPHA = 0.2

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from hpcserve.contracts.protocol import Register, ReplicaInfo, ReplicaLoad
 from hpcserve.router import queue_wait
-from hpcserve.router.protocol import Register, ReplicaInfo, ReplicaLoad
 from hpcserve.router.replica_table import ReplicaTable
 
 log = logging.getLogger(__name__)

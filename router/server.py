@@ -4,7 +4,7 @@ Both are ZeroMQ ROUTER sockets the router binds (it is the stable side); engines
 and gateways connect DEALERs. One thread owns both sockets and polls them with a
 timeout, so lease expiry runs even when no message arrives. The registry socket is
 libzmq's (CURVE); the routing socket speaks ZMTP on plain sockets in the same poll
-(router/zmtp.py: no libzmq I/O thread between a gateway's Route and the decision).
+(contracts/zmtp.py: no libzmq I/O thread between a gateway's Route and the decision).
 """
 
 from __future__ import annotations
@@ -21,20 +21,21 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from zmq.auth.thread import ThreadAuthenticator
 
 from hpcserve.config import RouterConfig
-from hpcserve.health.event_log import HealthEventLog
-from hpcserve.health.policy import severity, worst_action
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.curve import check_plain_bind, make_server, start_authenticator
+from hpcserve.contracts.health_policy import severity, worst_action
+from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
+from hpcserve.contracts.zmtp import ZmtpRouter
 from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
-from hpcserve.router.curve import check_plain_bind, make_server, start_authenticator
 from hpcserve.router.decide import Decider
+from hpcserve.router.health_events import HealthEventLog
 from hpcserve.router.in_flight_book import InFlightBook
 from hpcserve.router.kv_subscriber import KvEventSubscriber
 from hpcserve.router.prefix_index import PrefixIndex
-from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET, within_budget
+from hpcserve.router.queue_wait import within_budget
 from hpcserve.router.quota_book import QuotaBook
 from hpcserve.router.registry import Registry
-from hpcserve.router.zmtp import ZmtpRouter
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ class RouterServer:
         aliases: AliasRouter | None = None,
         routing_socket: str = "zmtp",
     ) -> None:
-        """routing_socket: "zmtp" (router/zmtp.py), or "libzmq" (a libzmq ROUTER, kept to
+        """routing_socket: "zmtp" (contracts/zmtp.py), or "libzmq" (a libzmq ROUTER, kept to
         compare the two in bench/router_roundtrip.py)."""
         self.config = config
         self.adapters = adapters or AdapterRouter(AdapterCatalog.empty(), clock=clock)
@@ -149,7 +150,7 @@ class RouterServer:
         self._published_models: set[str] = set()
 
     def bind(self) -> None:
-        # CURVE on the registry socket (router/curve.py); plain only on loopback unless allowed.
+        # CURVE on the registry socket (contracts/curve.py); plain only on loopback unless allowed.
         curve_dir = self.config.curve_dir
         check_plain_bind(self.config.registry_bind, curve_dir, self.config.allow_plain_remote)
         if curve_dir:

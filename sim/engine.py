@@ -23,8 +23,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from hpcserve.router import kv_wire as kw
-from hpcserve.router.protocol import ReplicaLoad
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts.protocol import ReplicaLoad
 from hpcserve.sim.kvcache import Cleared, KVCache, KVEvent, Removed, Stored
 from hpcserve.sim.metrics import SimMetrics
 from hpcserve.sim.scheduler import Scheduler, SchedulerLimits, SimRequest, Status, StepPlan

@@ -38,9 +38,9 @@ from typing import Any
 
 import uvicorn
 
+from hpcserve.contracts import protocol as p
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.ports import free_ports
-from hpcserve.router import protocol as p
 from hpcserve.sim.engine import KVEventsConfig, SimConfig, SimEngine
 from hpcserve.sim.options import OptionsError, add_arguments, sim_config
 from hpcserve.sim.server import build_app

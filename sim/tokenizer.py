@@ -2,7 +2,7 @@
 
 With a model directory (tokenizer.json + tokenizer_config.json, as Hugging Face saves them)
 the ids are the model's own, made by the router's ``PromptTokenizer``
-(router/prompt_tokens.py): chat messages rendered with the chat template of
+(contracts/prompt_tokens.py): chat messages rendered with the chat template of
 tokenizer_config.json (jinja2, configured as transformers configures it) and encoded without
 special tokens, since the template writes them; a completion prompt encoded with them. So
 the token ids in the simulator's KV events are the ids the router computes for the prompt.
@@ -51,11 +51,11 @@ def message_text(content: Any) -> str:
 
 class HFTokenizer:
     """The tokenizer and chat template of a Hugging Face model directory, through the
-    router's own ``PromptTokenizer`` (router/prompt_tokens.py): engine and router cannot
+    router's own ``PromptTokenizer`` (contracts/prompt_tokens.py): engine and router cannot
     disagree on a prompt's ids."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from hpcserve.router.prompt_tokens import PromptTokenizer
+        from hpcserve.contracts.prompt_tokens import PromptTokenizer
 
         directory = Path(model_dir)
         self.name = str(directory)

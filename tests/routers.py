@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcserve.config import RouterConfig
+from hpcserve.contracts import protocol as p
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Registry as ModelRegistry
-from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
 

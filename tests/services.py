@@ -97,6 +97,6 @@ def gateways(
 
 def sim_engine_argv(port: int, model: str, decode_ms: float, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "hpcserve.engine_launch.sim_engine", "--port", str(port),
+        sys.executable, "-m", "hpcserve.sim.launch", "--port", str(port),
         "--served-model-name", model, "--decode-ms-per-token", str(decode_ms), *extra,
     ]  # fmt: skip

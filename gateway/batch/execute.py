@@ -19,9 +19,9 @@ from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.routing_client import RouterUnavailable
 
 if TYPE_CHECKING:
+    from hpcserve.contracts.prompt_tokens import RouteHints
     from hpcserve.gateway.relay import Relay
     from hpcserve.gateway.routing_client import RoutingClient
-    from hpcserve.router.prompt_tokens import RouteHints
 
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
 _payload = msgspec.json.Decoder(dict[str, Any])

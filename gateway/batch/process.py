@@ -36,8 +36,8 @@ from hpcserve.gateway.batch.service import loads_from
 from hpcserve.gateway.batch.store import BatchStore
 from hpcserve.gateway.quota import QuotaGate, keep_quota_synced
 from hpcserve.gateway.relay import Relay
+from hpcserve.gateway.route_hints import route_hints_for
 from hpcserve.gateway.routing_client import RoutingClient
-from hpcserve.router.prompt_tokens import route_hints_for
 
 log = logging.getLogger(__name__)
 

@@ -96,9 +96,9 @@ def add_batches_parser(sub: argparse._SubParsersAction, with_config) -> None:  #
 
 
 def cmd_batches(args: argparse.Namespace) -> int:
-    from hpcserve.cli import _load
+    from hpcserve.config import config_path, load_config
 
-    config = _load(args)
+    config = load_config(config_path(args.config))
     batches = list_recent(Path(config.batch_dir()), limit=args.limit, tenant=args.tenant)
     now = time.time()
     if args.json:

@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hpcserve.contracts.protocol import ModelInfo, ReplicaInfo
 from hpcserve.gateway.batch.concurrency import AdaptiveLimit
-from hpcserve.router.protocol import ModelInfo, ReplicaInfo
 
 
 class ModelSlots:

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from hpcserve.contracts.batch_backlog import FileSummary
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
 MAX_REPORTED = 20
 MAX_CUSTOM_ID_CHARS = 512
@@ -32,14 +34,6 @@ class InvalidBatchFile(ValueError):
         self.more = more
         shown = "; ".join(str(e) for e in errors)
         super().__init__(shown + ("; (more errors not shown)" if more else ""))
-
-
-class FileSummary(msgspec.Struct, frozen=True):
-    """What the batch runner needs to know about a valid file without reading it again."""
-
-    lines: int
-    urls: list[str]
-    models: list[str]
 
 
 class RequestLine(msgspec.Struct, frozen=True):

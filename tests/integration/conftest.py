@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from hpcserve.contracts.router_client import list_models
 from hpcserve.localslurm import LocalSlurm
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
+from hpcserve.slurm.client import SlurmCLI
 from tests.integration.slurm_helpers import running_cluster, wait_for
 
 

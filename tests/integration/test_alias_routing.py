@@ -16,9 +16,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, TenantConfig, hash_api_key
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.modelcache.registry import Registry as ModelRegistry
-from hpcserve.router import protocol as p
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port

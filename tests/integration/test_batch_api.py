@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from hpcserve.config import dump_config, hash_api_key, load_config, parse_config
-from hpcserve.router import protocol as p
-from hpcserve.router.client import list_models, list_replicas
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.router_client import list_models, list_replicas
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port

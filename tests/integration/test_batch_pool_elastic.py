@@ -17,15 +17,15 @@ import msgspec
 import pytest
 
 from hpcserve.config import PlatformConfig, parse_config
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.batch.store import BatchRecord, BatchStore, new_id
 from hpcserve.gateway.batch.validate import validate_batch_file
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.manager import PoolManager
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
 from hpcserve.poolmgr.state_files import read_status, write_override
-from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import JobState, SlurmJob
 from tests.integration.slurm_helpers import (
     cluster_config,
     running_cluster,

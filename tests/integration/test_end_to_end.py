@@ -30,8 +30,8 @@ from hpcserve.config import (
     dump_config,
     hash_api_key,
 )
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
-from hpcserve.router.client import list_replicas
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import conf_processes, free_port_block
@@ -509,7 +509,7 @@ def _router_counter(config: PlatformConfig, name: str) -> float:
 def test_kv_events_from_vllm_fill_the_index_and_a_repeated_prompt_hits_it(
     stack: tuple[Stack, PlatformConfig], client: openai.OpenAI
 ) -> None:
-    from hpcserve.router.prompt_tokens import PromptTokenizer
+    from hpcserve.contracts.prompt_tokens import PromptTokenizer
 
     _, config = stack
     messages = [

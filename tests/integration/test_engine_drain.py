@@ -14,8 +14,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
+from hpcserve.contracts.router_client import list_models, list_replicas
 from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.router.client import list_models, list_replicas
 from hpcserve.router.server import RouterServer
 from tests.processes import processes_mentioning
 

@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 from hpcserve.config import parse_config
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.modelcache.cache import NodeCache
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Registry
 from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.spec import build_job_spec, resolve_model
-from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
 from hpcserve.tinymodels import make_tiny_model
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, TenantConfig, hash_api_key
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
 from tests.services import service, sim_engine_argv

@@ -22,9 +22,9 @@ from hpcserve.config import (
     TenantConfig,
     hash_api_key,
 )
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.tracing import Tracing
-from hpcserve.router import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from hpcserve.config import dump_config, hash_api_key, parse_config
+from hpcserve.contracts.router_client import RouterQueryError, list_replicas
 from hpcserve.engine_launch.load import parse_vllm_load
-from hpcserve.router.client import RouterQueryError, list_replicas
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port

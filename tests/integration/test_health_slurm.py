@@ -29,14 +29,14 @@ from hpcserve.config import (
     dump_config,
     hash_api_key,
 )
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.identity import parse_comment
 from hpcserve.poolmgr.manager import PoolManager
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import SlurmJob, SlurmNode
-from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import SlurmJob, SlurmNode
 from tests.integration.slurm_helpers import cluster_config, wait_for
 
 pytestmark = pytest.mark.slurm

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.router.client import list_replicas
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.router.server import RouterServer
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import wait_for

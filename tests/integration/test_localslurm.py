@@ -17,8 +17,8 @@ from typing import TypeVar
 import pytest
 
 from hpcserve.localslurm import LocalSlurm, LocalSlurmError, LocalSlurmSpec
-from hpcserve.poolmgr.slurm import SlurmCLI, SlurmError
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+from hpcserve.slurm.client import SlurmCLI, SlurmError
+from hpcserve.slurm.parse import JobState, SlurmJob
 from tests.integration.slurm_helpers import conf_processes, free_port_block, wait_for
 
 pytestmark = pytest.mark.slurm

@@ -23,14 +23,14 @@ from typing import Any
 import pytest
 
 from hpcserve.config import PlatformConfig
+from hpcserve.contracts.protocol import ReplicaInfo
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.manager import PoolManager
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
-from hpcserve.router.client import list_replicas
-from hpcserve.router.protocol import ReplicaInfo
 from hpcserve.router.server import RouterServer
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import JobState, SlurmJob
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import PROCESSES_GONE_S, cluster_config, wait_for
 

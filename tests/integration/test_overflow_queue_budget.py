@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, ExternalAPIConfig, GatewayConfig, TenantConfig, hash_api_key
+from hpcserve.contracts.router_client import list_models
 from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port

@@ -19,17 +19,17 @@ import msgspec
 import pytest
 
 from hpcserve.config import PoolConfig
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import InUseError, Registry
 from hpcserve.poolmgr.identity import parse_comment
 from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.poolmgr.placement import free_gpus
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import SlurmJob, SlurmNode
 from hpcserve.poolmgr.state_files import write_override
-from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import SlurmJob, SlurmNode
 from tests.integration.slurm_helpers import cluster_config, wait_for
 
 pytestmark = pytest.mark.slurm

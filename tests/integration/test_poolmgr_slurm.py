@@ -20,16 +20,16 @@ import pytest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, PlatformConfig, hash_api_key, parse_config
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.poolmgr.identity import parse_comment
 from hpcserve.poolmgr.launchers import LocalLauncher
 from hpcserve.poolmgr.manager import PoolManager
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
 from hpcserve.poolmgr.state_files import read_status, write_override
-from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import JobState, SlurmJob
 from tests.integration.slurm_helpers import cluster_config, wait_for
 
 pytestmark = pytest.mark.slurm

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from hpcserve.config import RouterConfig, hash_api_key
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port

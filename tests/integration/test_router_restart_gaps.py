@@ -9,9 +9,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from hpcserve.config import RouterConfig
+from hpcserve.contracts import protocol as p
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.routing_client import RoutingClient
-from hpcserve.router import protocol as p
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
 from tests.routers import (

@@ -22,8 +22,8 @@ import zmq
 
 from bench.simfleet import sim_stack
 from bench.workload import SLO, build, run_workload, summarize
-from hpcserve.router import kv_wire as kw
-from hpcserve.router.client import list_replicas
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.sim.tokenizer import HFTokenizer
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import wait_for
@@ -63,7 +63,7 @@ def sim(chat_model: Path) -> Iterator[tuple[str, str, str]]:
         "topic": "kv-events",
     }
     argv = [
-        sys.executable, "-m", "hpcserve.engine_launch.sim_engine",
+        sys.executable, "-m", "hpcserve.sim.launch",
         "--model", str(chat_model), "--served-model-name", "tiny",
         "--port", str(port), "--time-scale", "0.01", "--block-size", "16",
         "--kv-events-config", json.dumps(events), "--dtype", "float32",

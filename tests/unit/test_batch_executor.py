@@ -12,12 +12,12 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.batch.execute import NoReplica, ReplicaFailed, RoutedExecutor
 from hpcserve.gateway.relay import Relay
 from hpcserve.gateway.routing_client import RoutingClient
-from hpcserve.router import protocol as p
-from hpcserve.router.client import list_replicas
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port

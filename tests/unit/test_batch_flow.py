@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.batch.concurrency import AdaptiveLimit
 from hpcserve.gateway.batch.limiter import BatchTokens
 from hpcserve.gateway.batch.progress import format_batches, progress_of
 from hpcserve.gateway.batch.slots import ModelLoad, ModelSlots, PoolSlots
 from hpcserve.gateway.batch.store import BatchRecord
 from hpcserve.gateway.quota import QuotaGate
-from hpcserve.router import protocol as p
 from hpcserve.router.quota_book import QuotaBook
 
 

@@ -13,15 +13,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from hpcserve.config import ConfigError, parse_config
-from hpcserve.gateway.batch.backlog import read_backlog
+from hpcserve.contracts.batch_backlog import read_backlog
 from hpcserve.gateway.batch.store import BatchRecord, BatchStore, new_id
 from hpcserve.gateway.batch.validate import validate_batch_file
 from hpcserve.poolmgr.batch_pools import BatchPools, adapter_backlog
 from hpcserve.poolmgr.batch_sizing import BatchPoolView, batch_pool_size
 from hpcserve.poolmgr.placement import free_room
 from hpcserve.poolmgr.reconcile import ObservedJob
-from hpcserve.poolmgr.slurm_parse import SlurmNode
 from hpcserve.poolmgr.spec import build_job_spec, pool_spec_digest
+from hpcserve.slurm.parse import SlurmNode
 
 BASE = BatchPoolView(
     floor=1, ceiling=4, backlog=0, per_replica=100, running=1, pending=0, room=0,

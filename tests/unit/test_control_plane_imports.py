@@ -23,7 +23,7 @@ MODULES = [
     "hpcserve.gateway.server",
     "hpcserve.gateway.batch.process",
     "hpcserve.router.server",
-    "hpcserve.router.client",
+    "hpcserve.contracts.router_client",
     "hpcserve.poolmgr.manager",
     "hpcserve.poolmgr.launchers",
     "hpcserve.poolmgr.shutdown",

@@ -2,10 +2,10 @@ import re
 
 import pytest
 
+from hpcserve.contracts.protocol import ReplicaLoad
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
-from hpcserve.engine_launch.vllm_args import EngineSpec, vllm_argv, vllm_env
-from hpcserve.router.protocol import ReplicaLoad
+from hpcserve.engine_launch.vllm_args import EngineSpec, describe_env, vllm_argv, vllm_env
 
 VLLM_METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -139,7 +139,7 @@ def test_vllm_argv_multinode_other_ranks_are_headless_vllm_serve():
         "--headless",
     ]  # fmt: skip
     sim = vllm_argv(spec(**MULTINODE, node_rank=1, engine="sim"))
-    assert sim == ["/py", "-m", "hpcserve.engine_launch.sim_engine", "--headless"]
+    assert sim == ["/py", "-m", "hpcserve.sim.launch", "--headless"]
     assert "--nnodes" not in vllm_argv(spec(**MULTINODE, engine="sim"))
 
 
@@ -220,3 +220,42 @@ def test_node_rank_from_the_srun_task():
 def test_node_rank_errors_name_what_is_wrong(env, nnodes, explicit, message):
     with pytest.raises(TopologyError, match=re.escape(message)):
         replica_node_rank(topology_from_env(env), nnodes, explicit)
+
+
+def _cpu_spec(extra_args: list[str]) -> EngineSpec:
+    return EngineSpec(
+        engine="vllm-cpu",
+        python="python",
+        model_path="/m",
+        served_model_name="m",
+        bind_host="127.0.0.1",
+        port=8000,
+        extra_args=extra_args,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra_args", "inherited", "expected"),
+    [
+        ([], {}, "1"),  # hpcserve's default KV cache
+        ([], {"VLLM_CPU_KVCACHE_SPACE": "4"}, "4"),  # the site's environment wins over the default
+        (["--kv-cache-memory-bytes", "301989888"], {}, None),  # the pool's argument wins
+        (["--kv-cache-memory-bytes=301989888"], {"VLLM_CPU_KVCACHE_SPACE": "4"}, None),
+    ],
+)
+def test_a_pools_kv_cache_argument_wins_over_the_cpu_default(extra_args, inherited, expected):
+    env = vllm_env(_cpu_spec(extra_args), inherited)
+    assert env.get("VLLM_CPU_KVCACHE_SPACE") == expected
+
+
+def test_the_logged_environment_masks_secrets_and_leaves_the_rest_out():
+    shown = describe_env(
+        {
+            "VLLM_API_KEY": "s3cret",
+            "HF_TOKEN": "hf_abc",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "PATH": "/usr/bin",
+            "HOME": "/root",
+        }
+    )
+    assert shown == "HF_TOKEN=*** VLLM_API_KEY=*** VLLM_CPU_KVCACHE_SPACE=1"

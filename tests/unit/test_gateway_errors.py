@@ -4,8 +4,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.router import protocol as p
 
 KEY = "sk-test-123"
 

@@ -8,9 +8,9 @@ import json
 import pytest
 
 from hpcserve.config import GatewayConfig
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
 from hpcserve.gateway import app as gateway_app
-from hpcserve.router import protocol as p
-from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints
 from hpcserve.tinymodels import make_tiny_model
 
 

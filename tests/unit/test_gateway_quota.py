@@ -3,9 +3,9 @@
 import pytest
 
 from hpcserve.config import TenantConfig
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.auth import Tenant
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate
-from hpcserve.router import protocol as p
 from hpcserve.router.quota_book import QuotaBook, Window
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.replica_view import ReplicaView
-from hpcserve.router import protocol as p
 
 
 def info(rid: str, model: str = "m") -> p.ReplicaInfo:

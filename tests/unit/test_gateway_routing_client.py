@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import zmq
 
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.routing_client import RELEASE_DELAY_S, RouterUnavailable, RoutingClient
 from hpcserve.gateway.zmtp_dealer import encode_message, parse_endpoint
-from hpcserve.router import protocol as p
 from tests.ports import free_port
 
 # Out of reach unless a test shortens it: the router answers from the same loop, so a process

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcserve.config import HealthConfig
+from hpcserve.contracts import protocol as p
 from hpcserve.health.monitor import (
     HealthMonitor,
     ReplicaHealth,
@@ -18,7 +19,6 @@ from hpcserve.health.monitor import (
 )
 from hpcserve.health.policy import Policy
 from hpcserve.health.replica import EngineHealth, WorkerHealth
-from hpcserve.router import protocol as p
 
 POLICY = Policy()
 XID79 = POLICY.xid_finding(79, 3)

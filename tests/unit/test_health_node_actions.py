@@ -9,11 +9,11 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from hpcserve.config import HealthConfig
+from hpcserve.contracts import protocol as p
 from hpcserve.health.node_actions import NodeHealthActions, hook_argv
 from hpcserve.health.policy import Policy
-from hpcserve.poolmgr.slurm import SlurmError
-from hpcserve.poolmgr.slurm_parse import SlurmNode
-from hpcserve.router import protocol as p
+from hpcserve.slurm.client import SlurmError
+from hpcserve.slurm.parse import SlurmNode
 
 POLICY = Policy(HealthConfig(xid_actions={"79": "drain_reset"}, reset_hook=["reset", "{node}"]))
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from hpcserve.config import ConfigError, HealthConfig, parse_config
-from hpcserve.health.policy import (
+from hpcserve.contracts.health_policy import (
     CHECKS,
-    Policy,
     drain_reason,
     drained_by_hpcserve,
     worst_action,
 )
-from hpcserve.router.protocol import HealthFinding
+from hpcserve.contracts.protocol import HealthFinding
+from hpcserve.health.policy import Policy
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.router_client import list_health_events, list_replicas
 from hpcserve.engine_launch.agent import RegistryAgent
-from hpcserve.health.event_log import HealthEventLog
 from hpcserve.health.policy import Policy
-from hpcserve.router import protocol as p
-from hpcserve.router.client import list_health_events, list_replicas
+from hpcserve.router.health_events import HealthEventLog
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.routers import loopback_router_config, running_router

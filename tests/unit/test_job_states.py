@@ -6,7 +6,7 @@ import pytest
 from hpcserve.poolmgr.failures import FailureTracker
 from hpcserve.poolmgr.identity import JobIdentity
 from hpcserve.poolmgr.job_states import JobStates
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob
+from hpcserve.slurm.parse import JobState, SlurmJob
 
 R, P, F, C = JobState.RUNNING, JobState.PENDING, JobState.FAILED, JobState.CANCELLED
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from hpcserve.engine_launch.vllm_args import EngineSpec, block_size, engine_block_size, vllm_argv
+from hpcserve.contracts.engine_args import engine_block_size
+from hpcserve.engine_launch.vllm_args import EngineSpec, block_size, vllm_argv
 
 
 def spec(**kw):

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from hpcserve.router import kv_wire as kw
-from hpcserve.router.prefix_hash import (
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts.prefix_hash import (
     chain_hashes,
     chain_seed,
     prompt_block_hashes,
@@ -110,7 +110,7 @@ def test_hashes_agree_across_processes_whatever_their_hash_seed():
     """The gateway and the router are different processes: str/bytes hashes differ between
     them, the chain (tuples of ints, the adapter through blake2b) must not."""
     code = (
-        "from hpcserve.router.prefix_hash import prompt_block_hashes as p;"
+        "from hpcserve.contracts.prefix_hash import prompt_block_hashes as p;"
         f"print(p({PROMPT!r}, {BS}), p({PROMPT!r}, {BS}, 'sql'))"
     )
     mine = f"{prompt_block_hashes(PROMPT, BS)} {prompt_block_hashes(PROMPT, BS, 'sql')}"

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from hpcserve.router import kv_wire as kw
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.router.kv_subscriber import KvEventSubscriber
-from hpcserve.router.prefix_hash import prompt_block_hashes
 from hpcserve.router.prefix_index import PrefixIndex
 from tests.ports import free_port
 

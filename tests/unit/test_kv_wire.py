@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import zmq
 
-from hpcserve.router import kv_wire as kw
+from hpcserve.contracts import kv_wire as kw
 from tests.ports import free_port
 
 # What vLLM 0.32's ZmqEventPublisher encodes (msgspec of its KVEventBatch), built by hand.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.adapters import LOADING, AdapterCatalog, AdapterRouter, AdapterSource
 from hpcserve.router.registry import Registry
 

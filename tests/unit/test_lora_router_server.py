@@ -11,10 +11,10 @@ from contextlib import contextmanager
 import pytest
 import zmq
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.router_client import list_models
 from hpcserve.engine_launch.agent import RegistryAgent
-from hpcserve.router import protocol as p
 from hpcserve.router.adapters import AdapterCatalog, AdapterRouter, AdapterSource
-from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
 from tests.routers import loopback_router_config, running_router
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.adapters import (
     LOAD_FAILED,
     LOADING,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from hpcserve.contracts.protocol import ReplicaInfo, ReplicaLoad
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import InUseError, Registry
 from hpcserve.poolmgr.registry_usage import RegistryUsage
-from hpcserve.router.protocol import ReplicaInfo, ReplicaLoad
 
 
 def replica(rid: str, ref: str) -> ReplicaInfo:

@@ -1,7 +1,7 @@
+from hpcserve.contracts.protocol import ReplicaInfo, ReplicaLoad
 from hpcserve.poolmgr.identity import JobIdentity
 from hpcserve.poolmgr.observe import observe
-from hpcserve.poolmgr.slurm_parse import JobState, SlurmJob, SlurmNode
-from hpcserve.router.protocol import ReplicaInfo, ReplicaLoad
+from hpcserve.slurm.parse import JobState, SlurmJob, SlurmNode
 
 
 def slurm_job(

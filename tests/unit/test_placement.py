@@ -22,8 +22,9 @@ from hpcserve.poolmgr.placement import (
     placements,
     unavailable_pin,
 )
-from hpcserve.poolmgr.slurm import SlurmCLI
-from hpcserve.poolmgr.slurm_parse import (
+from hpcserve.poolmgr.spec import pool_spec_digest
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import (
     JobState,
     SlurmJob,
     SlurmNode,
@@ -31,7 +32,6 @@ from hpcserve.poolmgr.slurm_parse import (
     unavailable_required_nodes,
     waits_for_nodes,
 )
-from hpcserve.poolmgr.spec import pool_spec_digest
 
 RECORDED = Path(__file__).parent / "data" / "slurm" / "22.05"
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hpcserve.config import ConfigError, RoutingConfig, parse_config
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.policies import build_policy
 from hpcserve.router.policies.base import (
     Cached,

@@ -9,11 +9,11 @@ from collections import Counter, deque
 import pytest
 
 from hpcserve.config import RoutingConfig
-from hpcserve.router import kv_wire as kw
-from hpcserve.router import protocol as p
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.router.decide import Decider
 from hpcserve.router.kv_subscriber import KvEventSubscriber
-from hpcserve.router.prefix_hash import prompt_block_hashes
 from hpcserve.router.prefix_index import PrefixIndex
 from hpcserve.router.registry import Registry
 

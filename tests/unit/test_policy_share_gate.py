@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.router.policies.scorers import NewPrefill
-from hpcserve.router.prefix_hash import prompt_block_hashes
 from hpcserve.router.replica_table import ReplicaTable
 from tests.unit.test_policy_routing import BS, Fleet, _open, prompt
 

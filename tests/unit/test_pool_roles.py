@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from hpcserve.config import ConfigError, RoutingConfig, parse_config
+from hpcserve.contracts import protocol as p
 from hpcserve.gateway.batch.concurrency import BATCH_POOL_QUEUE, AdaptiveLimit
 from hpcserve.gateway.batch.slots import ModelLoad, PoolSlots, model_loads
 from hpcserve.poolmgr.spec import build_job_spec
-from hpcserve.router import protocol as p
 from hpcserve.router.decide import Decider
 from hpcserve.router.policies.base import RouteContext, RouteRequest
 from hpcserve.router.policies.filters import BatchYields

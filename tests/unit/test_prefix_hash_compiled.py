@@ -1,4 +1,4 @@
-"""router/_blockhash.c: the same chained hashes as prefix_hash.chain_hashes_reference, from
+"""contracts/_blockhash.c: the same chained hashes as prefix_hash.chain_hashes_reference, from
 a sequence of ints and from the raw msgpack of a BlockStored event's token_ids; bad input
 refused with the problem named; the import-time guards."""
 
@@ -12,8 +12,8 @@ import sys
 import msgspec
 import pytest
 
-from hpcserve.router import kv_wire as kw
-from hpcserve.router import prefix_hash as ph
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts import prefix_hash as ph
 from hpcserve.router.prefix_index import PrefixIndex
 
 PARENTS = [0, 1, -1, -2, 2, 2**61 - 2, 2**61 - 1, 2**61, 2**62, -(2**61) + 1, -(2**61)]
@@ -150,15 +150,15 @@ def test_a_disagreeing_extension_is_refused(monkeypatch):
 @pytest.mark.parametrize(
     ("stand_in", "message"),
     [
-        ("None", "_blockhash \\(router/_blockhash.c\\) is not built: run `pip install -e .`"),
+        ("None", "_blockhash \\(contracts/_blockhash.c\\) is not built: run `pip install -e .`"),
         ("types.ModuleType('stale')", "stale build \\(API None, this code needs 2\\)"),
     ],
 )
 def test_a_missing_or_stale_extension_names_the_fix(stand_in, message):
     code = (
         "import sys, types\n"
-        f"sys.modules['hpcserve.router._blockhash'] = {stand_in}\n"
-        "import hpcserve.router.prefix_hash\n"
+        f"sys.modules['hpcserve.contracts._blockhash'] = {stand_in}\n"
+        "import hpcserve.contracts.prefix_hash\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 1

@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 
 REGISTRY_MESSAGES = [
     p.Register(

@@ -7,9 +7,10 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
 from hpcserve.router import queue_wait
-from hpcserve.router.queue_wait import OVER_QUEUE_BUDGET, ServiceTracker, within_budget
+from hpcserve.router.queue_wait import ServiceTracker, within_budget
 from hpcserve.router.registry import Registry
 from hpcserve.router.server import RouterServer
 from tests.routers import loopback_router_config, running_router

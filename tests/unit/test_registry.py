@@ -1,4 +1,4 @@
-from hpcserve.router.protocol import Register, ReplicaLoad
+from hpcserve.contracts.protocol import Register, ReplicaLoad
 from hpcserve.router.registry import Registry
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import zmq
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.router_client import list_models
 from hpcserve.modelcache.registry import Alias
 from hpcserve.modelcache.registry import Registry as ModelRegistry
-from hpcserve.router import protocol as p
 from hpcserve.router.aliases import ALIAS_NO_REPLICA, AliasCatalog, AliasRouter, sticky_draw
-from hpcserve.router.client import list_models
 from hpcserve.router.server import RouterServer
 from tests.routers import alias_registry, loopback_router_config, running_router
 

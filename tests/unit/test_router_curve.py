@@ -13,15 +13,15 @@ import zmq
 
 from hpcserve.cli import main
 from hpcserve.config import RouterConfig
-from hpcserve.engine_launch.agent import RegistryAgent
-from hpcserve.router import protocol as p
-from hpcserve.router.curve import (
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.curve import (
     CurveError,
     check_plain_bind,
     generate_keys,
     is_loopback_endpoint,
     make_client,
 )
+from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.router.server import RouterServer
 from tests.ports import free_port
 from tests.routers import loopback_router_config, running_router

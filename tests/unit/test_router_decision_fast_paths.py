@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 from hpcserve.router.policies.base import Cached, RouteContext, RouteRequest, dense_cost
 from hpcserve.router.policies.scorers import NewPrefill
 from hpcserve.router.prefix_index import PrefixIndex
@@ -131,9 +131,9 @@ def test_routed_and_cached_prompt_tokens_are_counters_and_follow_the_replicas() 
     from prometheus_client import CollectorRegistry
 
     from hpcserve.config import RoutingConfig
-    from hpcserve.router import kv_wire as kw
+    from hpcserve.contracts import kv_wire as kw
+    from hpcserve.contracts.prefix_hash import prompt_block_hashes
     from hpcserve.router.decide import Decider
-    from hpcserve.router.prefix_hash import prompt_block_hashes
 
     reg, prom, index = Registry(lease_s=60), CollectorRegistry(), PrefixIndex()
     decider = Decider(RoutingConfig(), reg, index=index, metrics_registry=prom)
@@ -163,8 +163,8 @@ def test_cached_tokens_follow_a_slot_the_index_gave_to_another_replica() -> None
     # re-watch) then takes a free slot, perhaps another replica's old one. Found on the
     # 64-replica simulated fleet, whose replicas shared one KV topic.
     from hpcserve.config import RoutingConfig
+    from hpcserve.contracts.prefix_hash import prompt_block_hashes
     from hpcserve.router.decide import Decider
-    from hpcserve.router.prefix_hash import prompt_block_hashes
 
     reg, index = Registry(lease_s=60), PrefixIndex()
     decider = Decider(RoutingConfig(), reg, index=index)

@@ -10,11 +10,11 @@ import pytest
 import zmq
 
 from hpcserve.config import RoutingConfig
+from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
+from hpcserve.contracts.router_client import list_replicas
 from hpcserve.engine_launch.agent import RegistryAgent
-from hpcserve.router import kv_wire as kw
-from hpcserve.router import protocol as p
-from hpcserve.router.client import list_replicas
-from hpcserve.router.prefix_hash import prompt_block_hashes
 from tests.ports import free_port
 from tests.routers import loopback_router_config, running_router
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpcserve.router.prefix_hash import prompt_block_hashes
-from hpcserve.router.prompt_tokens import PromptTokenizer, RouteHints
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
+from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
 from hpcserve.tinymodels import make_tiny_model
 
 MESSAGES = [
@@ -66,7 +66,7 @@ def test_unreadable_prompts_give_no_prefix_hints(chat_dir):
 
 def test_gateway_hints_from_the_config(chat_dir, tmp_path):
     from hpcserve.config import parse_config
-    from hpcserve.router.prompt_tokens import route_hints_for
+    from hpcserve.gateway.route_hints import route_hints_for
 
     pools = [
         {"name": "chat", "model_path": str(chat_dir), "engine": "vllm-cpu"},
@@ -88,11 +88,11 @@ def test_gateway_hints_from_the_config(chat_dir, tmp_path):
 
 def test_adapter_requests_hash_like_the_index_hashes_their_blocks(chat_dir, tmp_path):
     from hpcserve.config import parse_config
+    from hpcserve.contracts import kv_wire as kw
+    from hpcserve.gateway.route_hints import route_hints_for
     from hpcserve.modelcache.manifest import build_manifest
     from hpcserve.modelcache.registry import Registry as ModelRegistry
-    from hpcserve.router import kv_wire as kw
     from hpcserve.router.prefix_index import PrefixIndex
-    from hpcserve.router.prompt_tokens import route_hints_for
 
     adapter_dir = make_tiny_model("lora", tmp_path / "lora", seed=1)
     with ModelRegistry(tmp_path / "reg.sqlite3") as reg:

@@ -5,9 +5,9 @@ import time
 import pytest
 import zmq
 
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.router_client import list_models, list_replicas
 from hpcserve.engine_launch.agent import RegistryAgent
-from hpcserve.router import protocol as p
-from hpcserve.router.client import list_models, list_replicas
 from tests.routers import loopback_router_config, running_router
 
 # Replies come from the router's thread in this process: waits that end at the reply, with

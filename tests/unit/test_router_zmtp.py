@@ -1,4 +1,4 @@
-"""router/zmtp.py: the router's ZMTP ROUTER against real libzmq DEALERs (tcp and ipc),
+"""contracts/zmtp.py: the router's ZMTP ROUTER against real libzmq DEALERs (tcp and ipc),
 multipart messages and long frames both ways, a reply bigger than the socket buffer, a peer
 that does not speak ZMTP, an oversized frame, and bad bind endpoints named by their key."""
 
@@ -11,8 +11,7 @@ import pytest
 import zmq
 
 from hpcserve.config import RouterConfig
-from hpcserve.router.server import RouterServer
-from hpcserve.router.zmtp import (
+from hpcserve.contracts.zmtp import (
     GREETING,
     MAX_FRAME,
     ZmtpError,
@@ -21,6 +20,7 @@ from hpcserve.router.zmtp import (
     parse_endpoint,
     ready,
 )
+from hpcserve.router.server import RouterServer
 from tests.ports import free_port
 
 

@@ -16,10 +16,10 @@ from contextlib import asynccontextmanager
 
 import zmq
 
+from hpcserve.contracts.zmtp import GREETING, ZmtpRouter, encode_message, ready
 from hpcserve.gateway.routing_client import RoutingClient
 from hpcserve.gateway.zmtp_dealer import ZmtpDealer, _Connection
 from hpcserve.router.server import RouterServer
-from hpcserve.router.zmtp import GREETING, ZmtpRouter, encode_message, ready
 from tests.ports import free_port
 from tests.routers import router_with_one_replica
 from tests.tcp_proxy import TcpProxy

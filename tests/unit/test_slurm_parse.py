@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.poolmgr.slurm import SlurmCLI, SlurmClient, SlurmError, make_slurm_client
-from hpcserve.poolmgr.slurm_parse import (
+from hpcserve.slurm.client import SlurmCLI, SlurmClient, SlurmError, make_slurm_client
+from hpcserve.slurm.parse import (
     JobState,
     SlurmParseError,
     expand_hostlist,
@@ -774,7 +774,7 @@ def test_make_client_pyslurm_absent_warns_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "pyslurm", None)  # import raises ImportError
-    with caplog.at_level(logging.WARNING, logger="hpcserve.poolmgr.slurm"):
+    with caplog.at_level(logging.WARNING, logger="hpcserve.slurm.client"):
         client = make_slurm_client({}, prefer_pyslurm=True)
     assert isinstance(client, SlurmCLI)
     assert len(caplog.records) == 1
@@ -799,7 +799,7 @@ def test_make_client_pyslurm_version(
     fake.__version__ = py_version  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "pyslurm", fake)
     monkeypatch.setattr(SlurmCLI, "release", lambda self: release)
-    with caplog.at_level(logging.WARNING, logger="hpcserve.poolmgr.slurm"):
+    with caplog.at_level(logging.WARNING, logger="hpcserve.slurm.client"):
         client = make_slurm_client({}, prefer_pyslurm=True)
     assert isinstance(client, SlurmCLI)
     assert len(caplog.records) == 1

@@ -12,7 +12,7 @@ Deterministic across processes: Python's hash of a tuple of ints does not depend
 PYTHONHASHSEED (only str and bytes hashes do); the adapter name goes through blake2b.
 
 Compiled: `chain_hashes` and `chain_hashes_msgpack` (from a BlockStored event's raw msgpack
-`token_ids`, no Python ints made) come from router/_blockhash.c, which reproduces CPython's
+`token_ids`, no Python ints made) come from contracts/_blockhash.c, which reproduces CPython's
 tuple and int hashes without building tuples; `chain_hashes_reference` below is the
 definition. Importing this module checks the two agree on a fixed sample and refuses to run
 when they do not (another interpreter or hash width) or when the extension is not built:
@@ -29,11 +29,11 @@ from functools import lru_cache
 import msgspec
 
 try:
-    from hpcserve.router import _blockhash
+    from hpcserve.contracts import _blockhash
 except ImportError as exc:  # a source tree that was never installed
     raise ImportError(
-        "hpcserve.router._blockhash (router/_blockhash.c) is not built: run `pip install -e .` "
-        "in the hpcserve checkout (it needs gcc and the Python headers)"
+        "hpcserve.contracts._blockhash (contracts/_blockhash.c) is not built: run "
+        "`pip install -e .` in the hpcserve checkout (it needs gcc and the Python headers)"
     ) from exc
 
 HASH_MASK = (1 << 60) - 1
@@ -59,11 +59,11 @@ def chain_hashes_reference(tokens: Sequence[int], block_size: int, parent: int) 
     return out
 
 
-_API_VERSION = 2  # router/_blockhash.c's BLOCKHASH_API_VERSION
+_API_VERSION = 2  # contracts/_blockhash.c's BLOCKHASH_API_VERSION
 _built = getattr(_blockhash, "API_VERSION", None)
 if _built != _API_VERSION:
     raise ImportError(
-        f"hpcserve.router._blockhash is a stale build (API {_built}, this code needs "
+        f"hpcserve.contracts._blockhash is a stale build (API {_built}, this code needs "
         f"{_API_VERSION}): run `pip install -e .` again to rebuild it"
     )
 
@@ -102,7 +102,8 @@ def _check_parity() -> None:
                 or list(engine.values()) != want[:3]
             ):
                 raise RuntimeError(
-                    "hpcserve.router._blockhash disagrees with prefix_hash.chain_hashes_reference "
+                    "hpcserve.contracts._blockhash disagrees with "
+                    "prefix_hash.chain_hashes_reference "
                     f"(parent {parent}, block_size {block_size}) on {sys.implementation.name} "
                     f"{sys.version.split()[0]}, hash width {sys.hash_info.width}: its tuple hash "
                     "is CPython's (3.8+, 64-bit); run hpcserve on such an interpreter"

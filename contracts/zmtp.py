@@ -5,7 +5,7 @@ processes' own loops: the gateway's DEALER on its asyncio loop (gateway/zmtp_dea
 router's ROUTER in its poll loop (`ZmtpRouter` below). Why: a libzmq socket hands every
 message to its I/O thread and back, thread wake-ups that cost more than the routing decision
 on these machines (bench/router_roundtrip.py measures both). Either side still talks to a
-real libzmq peer (the CLI's one-shot queries, router/client.py, are libzmq DEALERs).
+real libzmq peer (the CLI's one-shot queries, contracts/router_client.py, are libzmq DEALERs).
 
 What is spoken (https://rfc.zeromq.org/spec/23/): the 64-byte greeting (version 3.0, NULL),
 a READY command with the Socket-Type, then messages as frames (MORE flag, 1- or 8-byte

@@ -6,7 +6,7 @@ import itertools
 
 import zmq
 
-from hpcserve.router import protocol as p
+from hpcserve.contracts import protocol as p
 
 _ids = itertools.count(1)
 

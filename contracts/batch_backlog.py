@@ -15,7 +15,14 @@ from pathlib import Path
 
 import msgspec
 
-from hpcserve.gateway.batch.validate import FileSummary
+
+class FileSummary(msgspec.Struct, frozen=True):
+    """What the batch runner needs to know about a valid file without reading it again."""
+
+    lines: int
+    urls: list[str]
+    models: list[str]
+
 
 DATABASE = "batch.sqlite3"
 _summary = msgspec.json.Decoder(FileSummary)

@@ -1,5 +1,5 @@
 /* Chained block hashes of token ids, compiled: the same values as the Python reference,
- * hpcserve.router.prefix_hash.chain_hashes_reference, i.e. h_i = hash((h_{i-1}, block_i))
+ * hpcserve.contracts.prefix_hash.chain_hashes_reference, i.e. h_i = hash((h_{i-1}, block_i))
  * with block_i a tuple of ints, computed without building any tuple (or, from msgpack, any
  * int). It reproduces CPython's tuple hash (Objects/tupleobject.c, xxHash-based since 3.8)
  * and int hash (Objects/longobject.c: value mod 2**61 - 1 with the sign, -1 -> -2) on a
@@ -16,7 +16,7 @@
 #define HASH_BITS _PyHASH_BITS /* before 3.13 */
 #endif
 #if SIZEOF_VOID_P != 8 || HASH_BITS != 61
-#error "hpcserve.router._blockhash needs a 64-bit CPython (hash modulus 2**61 - 1)"
+#error "hpcserve.contracts._blockhash needs a 64-bit CPython (hash modulus 2**61 - 1)"
 #endif
 
 /* Bump when the functions below change what they take or return: prefix_hash.py refuses a

@@ -1,6 +1,6 @@
 """vLLM's KV-cache event wire, as vLLM 0.32 publishes it (vllm/distributed/kv_events.py).
 
-This is vLLM's protocol, not ours (ours is router/protocol.py). Nothing here imports vLLM.
+This is vLLM's protocol, not ours (ours is contracts/protocol.py). Nothing here imports vLLM.
 
 Wire: a ZeroMQ PUB socket sends one three-frame message per batch,
 ``[topic, seq, payload]``: ``seq`` is 8 bytes big-endian, counting from 0 per publisher;
@@ -17,7 +17,7 @@ Replay: the publisher binds a ROUTER socket. A subscriber's DEALER sends
 
 Publishing (e.g. the simulated engine)::
 
-    from hpcserve.router import kv_wire as kw
+    from hpcserve.contracts import kv_wire as kw
     pub = kw.KVEventPublisher("tcp://*:5557", replay_endpoint="tcp://*:5558")
     pub.publish([kw.BlockStored(block_hashes=[h1, h2], parent_block_hash=None,
                                 token_ids=tokens_of_both_blocks, block_size=16)])

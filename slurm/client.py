@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from hpcserve.poolmgr.slurm_parse import (
+from hpcserve.slurm.parse import (
     SlurmNode,
     SlurmParseError,
     SqueueSnapshot,

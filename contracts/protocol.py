@@ -110,7 +110,7 @@ class AdapterLoaded(msgspec.Struct, frozen=True, tag="adapter_loaded"):
 class Route(msgspec.Struct, frozen=True, tag="route"):
     request_id: int
     model: str
-    # Prefix-aware routing (router/prefix_hash.py): the chained hashes of the prompt's full
+    # Prefix-aware routing (contracts/prefix_hash.py): the chained hashes of the prompt's full
     # blocks of `block_size` tokens (empty: unknown), the prompt's token count, the LoRA
     # adapter asked for, "interactive" or "batch", and a session key for affinity.
     block_hashes: list[int] = []
@@ -132,6 +132,10 @@ class Route(msgspec.Struct, frozen=True, tag="route"):
     # The `model` each of `released` asked for, in the same order ("": not said); the
     # router counts requests in flight per LoRA adapter (router/adapters.py).
     released_models: list[str] = []
+
+
+# RouteReply.error when no replica's estimated queue wait is within Route.queue_budget_s.
+OVER_QUEUE_BUDGET = "over_queue_budget"
 
 
 class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):

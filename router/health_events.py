@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 
-from hpcserve.router.protocol import HealthEvent, HealthReport
+from hpcserve.contracts.protocol import HealthEvent, HealthReport
 
 
 class HealthEventLog:
