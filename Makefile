@@ -13,11 +13,13 @@ down:
 
 test: bootstrap
 	$(VENV)/bin/ruff check .
+	scripts/typecheck.sh
 	$(VENV)/bin/pytest
 
 lint: bootstrap
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check hpcserve router gateway poolmgr engine_launch health sim modelcache
+	scripts/typecheck.sh
+	$(VENV)/bin/ruff format --check hpcserve contracts slurm router gateway poolmgr engine_launch health sim modelcache
 
 status: bootstrap
 	$(VENV)/bin/hpcserve status --config $(STATE)/hpcserve.toml

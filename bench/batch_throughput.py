@@ -82,7 +82,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.results import write_results  # noqa: E402
-from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.config import dump_config, hash_api_key, load_config, parse_config  # noqa: E402
 from hpcserve.contracts.router_client import list_replicas  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
@@ -366,6 +366,12 @@ class Stack:
         self.write_config(batch_concurrency, runner)
         self.start_gateway()
 
+    def metrics_headers(self) -> dict[str, str]:
+        """What the gateway's /metrics asks for (its metrics token, made at its start)."""
+        config = load_config(self.config_path)
+        token = Path(config.metrics_token_path()).read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
+
     @property
     def batch_metrics_url(self) -> str:
         """/metrics of the process that runs the batches."""
@@ -450,10 +456,11 @@ def batch_bound(concurrency: str) -> dict[str, Any]:
     return {"concurrency_per_replica": int(concurrency), "adaptive_concurrency": False}
 
 
-async def batch_limits(url: str) -> dict[str, float]:
+async def batch_limits(url: str, headers: dict[str, str]) -> dict[str, float]:
     """The runner's batch bound per replica of each model now (adapted or fixed), from the
-    /metrics at `url` (the gateway's or the runner process's)."""
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
+    /metrics at `url` (the gateway's, which asks for its metrics token, or the runner
+    process's)."""
+    async with aiohttp.ClientSession() as session, session.get(url, headers=headers) as response:
         text = await response.text()
     prefix = "hpcserve_batch_concurrency_per_replica{"
     return {
@@ -599,7 +606,7 @@ async def run_batch(stack: Stack, bodies: list[dict[str, Any]], rate: float) -> 
             polls += 1
             if polls % 8:
                 continue  # the gateway's /metrics costs it milliseconds: not every poll
-            limits = await batch_limits(stack.batch_metrics_url)
+            limits = await batch_limits(stack.batch_metrics_url, stack.metrics_headers())
             for model, limit in limits.items():
                 bounds.setdefault(model, []).append(limit)
             if polls == 8:

@@ -8,6 +8,7 @@ Targets, interleaved, medians of ROUNDS:
   + quotas  + a tenant with limits: admission, usage counting, the quota sync to the router
   + routing + the real router over ZeroMQ (Route, Release) instead of a static upstream
   + metrics + Prometheus metrics
+  + audit   + the audit log (gateway.audit_log): one JSON line per request, to a file
   + tracing + request spans (exported by the gateway's background thread to an exporter that
             drops them): everything on
 The upstream answers with fixed bytes, so the proxy is what is measured: nginx by default
@@ -42,6 +43,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import msgspec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -182,7 +185,7 @@ http {{
 
 # -- the feature ladder: the same gateway with features switched on one at a time ---------
 
-FEATURES = ("relay", "auth", "quotas", "routing", "metrics", "tracing")
+FEATURES = ("relay", "auth", "quotas", "routing", "metrics", "audit", "tracing")
 
 
 class _NullMetric:
@@ -288,8 +291,11 @@ def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
                 return SpanExportResult.SUCCESS
 
         rung = FEATURES.index(feature)
+        audit_log = str(Path(config_path).parent / f"audit-{feature}.log")
         gateway = Gateway(
-            config.gateway,
+            msgspec.structs.replace(
+                config.gateway, audit_log=audit_log if rung >= FEATURES.index("audit") else ""
+            ),
             routing_endpoint=config.router.gateways_dial(),
             configured_models={MODEL},
             tracing=Tracing(exporter=DropSpans()) if rung >= FEATURES.index("tracing") else None,

@@ -1,8 +1,12 @@
 """What a routing decision adds to a request, seen from a gateway process, with the router's
-routing socket as libzmq's ROUTER and as ZMTP on plain sockets (contracts/zmtp.py), side by side.
+routing socket as libzmq's ROUTER, as ZMTP on plain sockets (contracts/zmtp.py), and as ZMTP
+with CURVE (contracts/zmtp_curve.py, the default wherever the router has keys), side by side.
 
-Two routers run in their own processes (as deployed), pinned to core 1 (`--router-core`),
+Three routers run in their own processes (as deployed), pinned to core 1 (`--router-core`),
 one per routing socket, each with REPLICAS replicas registered (no KV events, no heartbeats).
+The CURVE router's clients hold the gateway key (the blocking DEALER as libzmq's CURVE
+client, the gateway's client as ours); the summary gives CURVE's figures as ratios to the
+plain ZMTP router's, measured in the same rounds.
 Interleaved by case (the order alternating by round), ROUNDS rounds of N requests, medians:
 
 1. A blocking libzmq DEALER in this process, one request at a time: Route then Release (two
@@ -43,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import zmq  # noqa: E402
+import zmq.auth  # noqa: E402
 
 from bench import proxy_overhead as ladder  # noqa: E402
 from bench.http_wait import wait_http  # noqa: E402
@@ -55,7 +60,7 @@ from tests.ports import free_port  # noqa: E402
 
 REPLICAS = 8
 MODEL = ladder.MODEL
-SOCKETS = ("libzmq", "zmtp")
+SOCKETS = ("libzmq", "zmtp", "zmtp-curve")
 
 
 def serve(config: RouterConfig, routing_socket: str, core: int = 1) -> None:
@@ -64,7 +69,7 @@ def serve(config: RouterConfig, routing_socket: str, core: int = 1) -> None:
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {core})
 
-    RouterServer(config, routing_socket=routing_socket).serve_forever()
+    RouterServer(config, routing_socket=routing_socket.removesuffix("-curve")).serve_forever()
 
 
 def measure(sock: zmq.Socket, make, n: int, release: bool) -> tuple[list[float], float]:
@@ -89,13 +94,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def client_case(endpoint: str, router_pid: int, n: int, concurrency: int) -> dict:
+async def client_case(
+    endpoint: str, router_pid: int, n: int, concurrency: int, curve_dir: str = ""
+) -> dict:
     """The gateway's RoutingClient: route() + release() per request, `concurrency` at once."""
     import asyncio
 
+    from hpcserve.contracts.zmtp_curve import routing_client_keys
     from hpcserve.gateway.routing_client import RoutingClient
 
-    client = RoutingClient(endpoint, timeout_s=5.0)
+    client = RoutingClient(endpoint, timeout_s=5.0, curve=routing_client_keys(curve_dir))
     await client.start()
     lat: list[float] = []
 
@@ -169,7 +177,8 @@ def ladder_case(
             port = free_port()
             platform_config = parse_config({
                 "router": {"registry_bind": config.registry_bind,
-                           "routing_bind": config.routing_bind, "metrics_port": 0},
+                           "routing_bind": config.routing_bind, "metrics_port": 0,
+                           "curve_dir": config.curve_dir},
                 "gateway": {"port": port, "api_keys": keys,
                             "tenants": [{"name": "bench", **limits}]},
             })  # fmt: skip
@@ -245,6 +254,9 @@ def main() -> None:
         )  # fmt: skip
         upstream = f"http://127.0.0.1:{port}"
         wait_http(upstream + "/")
+    from hpcserve.contracts.curve import generate_keys
+
+    keys = str(generate_keys(work / "curve"))
     routers: dict[str, tuple[RouterConfig, int]] = {}
     procs, agents = [], []
     for routing_socket in SOCKETS:
@@ -253,6 +265,7 @@ def main() -> None:
             routing_bind=f"tcp://127.0.0.1:{free_port()}",
             lease_s=1e6,
             metrics_port=0,
+            curve_dir=keys if routing_socket.endswith("-curve") else "",
         )
         proc = multiprocessing.get_context("fork").Process(
             target=serve, args=(config, routing_socket, args.router_core), daemon=True
@@ -263,7 +276,9 @@ def main() -> None:
         routers[routing_socket] = (config, proc.pid)
         for i in range(REPLICAS):
             agent = RegistryAgent(
-                config.registry_bind, p.Register(f"r{i}", MODEL, upstream, block_size=16)
+                config.registry_bind,
+                p.Register(f"r{i}", MODEL, upstream, block_size=16),
+                curve_dir=config.curve_dir,
             )
             agent.register()
             agent.process_replies(5.0)
@@ -290,6 +305,13 @@ def main() -> None:
     for routing_socket, (config, _) in routers.items():
         sock = socks[routing_socket] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if config.curve_dir:  # libzmq's CURVE client with the gateway key
+            sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(
+                str(Path(config.curve_dir) / "gateway.key_secret")
+            )
+            sock.curve_serverkey = zmq.auth.load_certificate(
+                str(Path(config.curve_dir) / "router.key")
+            )[0]
         sock.connect(config.routing_bind)
         measure(sock, cases["route + release"][0], 500, True)  # warm up
     results: dict[str, dict[str, list[float]]] = {}
@@ -314,7 +336,11 @@ def main() -> None:
     for round_no in range(args.rounds):
         for concurrency in (1, 64):
             for routing_socket, (config, pid) in sorted(routers.items(), reverse=round_no % 2 == 1):
-                got = uvloop.run(client_case(config.routing_bind, pid, args.requests, concurrency))
+                got = uvloop.run(
+                    client_case(
+                        config.routing_bind, pid, args.requests, concurrency, config.curve_dir
+                    )
+                )
                 row = client_results.setdefault(
                     f"RoutingClient, c={concurrency}, {routing_socket} router", {}
                 )
@@ -338,11 +364,13 @@ def main() -> None:
     client_summary = {
         name: {k: statistics.median(v) for k, v in r.items()} for name, r in client_results.items()
     }
+    ratios = curve_ratios(summary, client_summary)
     out = {
         "cases_us": summary,
         "gateway_client_us": client_summary,
         "gateway_ladder": ladder_summary,
         "gateway_hints_2k_prompt_p50_us": hints_s * 1e6,
+        "curve_over_plain_zmtp": ratios,
     }
     write_results("router_roundtrip", out, {"load_average_before": load_before})
     print("| case (blocking libzmq DEALER) | round trip p50 | p99 | client CPU per request |")
@@ -367,7 +395,30 @@ def main() -> None:
         for name, r in ladder_summary.items():
             print(f"| {name} | {r['p50_ms']:.2f} ms | {r['p99_ms']:.2f} ms | {r['rps']:.0f} "
                   f"| {r['cpu_us']:.0f} us | {r['router_cpu_us']:.0f} us |")  # fmt: skip
+    print()
+    print("| CURVE / plain ZMTP router, same rounds | round trip or route() p50 | p99 "
+          "| client CPU / request | router CPU / request |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for name, r in ratios.items():
+        print(f"| {name} | {r['p50']:.2f} | {r['p99']:.2f} | {r['cpu']:.2f} "
+              f"| {r.get('router_cpu', float('nan')):.2f} |")  # fmt: skip
     print(f"\nload average before {load_before}, after {os.getloadavg()}")
+
+
+def curve_ratios(
+    cases: dict[str, dict[str, float]], clients: dict[str, dict[str, float]]
+) -> dict[str, dict[str, float]]:
+    """Each case's CURVE figures over the plain ZMTP router's (same rounds, interleaved)."""
+    out = {}
+    for table in (cases, clients):
+        for name, row in table.items():
+            if not name.endswith("zmtp-curve router"):
+                continue
+            plain = table[name.replace("zmtp-curve router", "zmtp router")]
+            out[name.removesuffix(", zmtp-curve router")] = {
+                k: row[k] / plain[k] for k in row if plain.get(k)
+            }
+    return out
 
 
 if __name__ == "__main__":

@@ -122,15 +122,27 @@ def _wait_listed(
 
 
 def _wait_gateway(
-    base_url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path, timeout_s: float = 30
+    base_url: str,
+    procs: dict[str, subprocess.Popen[bytes]],
+    logs: Path,
+    token_file: Path,
+    timeout_s: float = 30,
 ) -> None:
-    """Until our gateway answers: its own metrics, not just any server on its port."""
+    """Until our gateway answers: its own metrics (behind the metrics token it makes at
+    start), not just any server on its port."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _check_running(procs, logs)
+        if not token_file.exists():
+            time.sleep(0.1)
+            continue
+        token = token_file.read_text().strip()
+        request = urllib.request.Request(
+            base_url + "/metrics", headers={"Authorization": f"Bearer {token}"}
+        )
         with (
             contextlib.suppress(OSError),
-            urllib.request.urlopen(base_url + "/metrics", timeout=2) as resp,
+            urllib.request.urlopen(request, timeout=2) as resp,
         ):
             if b"hpcserve_gateway_" in resp.read():
                 return
@@ -200,7 +212,8 @@ def sim_stack(
             ],
         }
         config_file = work / "hpcserve.toml"
-        config_file.write_text(dump_config(parse_config(raw)))
+        config = parse_config(raw)
+        config_file.write_text(dump_config(config))
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         logs = work / "logs"
         logs.mkdir(exist_ok=True)
@@ -220,7 +233,7 @@ def sim_stack(
         # The router and gateway bind first: the fleet then finds their ports taken when it
         # chooses its own (~130, from the same range).
         _wait_listed(routing_ep, 0, services, logs, timeout_s=60)
-        _wait_gateway(base_url, services, logs)
+        _wait_gateway(base_url, services, logs, Path(config.metrics_token_path()))
         fleet_argv = [
             sys.executable, "-m", "hpcserve.sim.fleet",
             "--replicas", str(replicas),

@@ -99,7 +99,7 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark(
         "proxy_overhead",
         "Gateway overhead, feature by feature (plain relay, + auth, quotas, routing, metrics, "
-        "tracing)",
+        "audit, tracing)",
         "bench/proxy_overhead.py --rounds 1 --seconds 2",
         "proxy_overhead.json",
         timeout_s=180,
@@ -157,6 +157,13 @@ BENCHMARKS: list[Benchmark] = [
         "batch_throughput-sim.json",
         timeout_s=300,
         in_default=False,  # the long run (10,000 requests) is in the section above
+    ),
+    Benchmark(
+        "autoscale_replay",
+        "Autoscaling: what-if replay of a day (GPU-hours and TTFT SLO per policy)",
+        "bench/autoscale_replay.py --plot docs/img/autoscale_replay-day.png",
+        "autoscale_replay.json",
+        timeout_s=120,  # ~20 s: a simulated day, no processes
     ),
     Benchmark(
         "sim_vs_vllm",

@@ -25,3 +25,26 @@ def scheduling_args(policy: str, engine_args: Sequence[str]) -> list[str]:
     if policy == "fcfs" or any(a.startswith("--scheduling-policy") for a in engine_args):
         return []
     return ["--scheduling-policy", policy]
+
+
+# The tool-call parsers vLLM 0.32.0 ships (vllm/tool_parsers/__init__.py; a unit test compares
+# this with the installed vLLM). A pool's tool_call_parser must be one of them.
+TOOL_CALL_PARSERS = frozenset({
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31",
+    "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots", "ernie45", "functiongemma", "gemma4",
+    "gigachat3", "glm45", "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hf",
+    "hunyuan_a13b", "hy_v3", "hy_v4", "inkling", "internlm", "jamba", "k2_horizon", "kimi_k2",
+    "kimi_k3", "lfm2", "ling3", "llama3_json", "llama4_json", "llama4_pythonic", "longcat",
+    "mimo", "minicpm5", "minimax_m2", "minimax_m3", "mistral", "muse_glimmer", "olmo3", "openai",
+    "phi4_mini_json", "plamo3", "poolside_v1", "pythonic", "qwen3_coder", "qwen3_json",
+    "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+})  # fmt: skip
+
+
+def tool_call_args(parser: str) -> list[str]:
+    """vLLM's tool calling for a pool's tool_call_parser: `tool_choice` auto, required, a
+    named function and none then work (required and named are guided by the tool schemas);
+    none when the parser is ""."""
+    if not parser:
+        return []
+    return ["--enable-auto-tool-choice", "--tool-call-parser", parser]

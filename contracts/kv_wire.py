@@ -156,7 +156,7 @@ def encode_positional_batch(batch: KVEventBatch) -> bytes:
         BlockRemoved: _BlockRemovedPositional,
         AllBlocksCleared: _AllBlocksClearedPositional,
     }
-    events = [
+    events: list[Any] = [
         positional[type(e)](**{f: getattr(e, f) for f in e.__struct_fields__})
         if type(e) in positional
         else e

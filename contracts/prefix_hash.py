@@ -29,7 +29,7 @@ from functools import lru_cache
 import msgspec
 
 try:
-    from hpcserve.contracts import _blockhash
+    from hpcserve.contracts import _blockhash  # type: ignore[attr-defined]  # compiled
 except ImportError as exc:  # a source tree that was never installed
     raise ImportError(
         "hpcserve.contracts._blockhash (contracts/_blockhash.c) is not built: run "

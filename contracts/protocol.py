@@ -61,6 +61,9 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     model_ref: str = ""
     # Its pool's role (pools[].role): "interactive" or "batch" (router/policies/pool_roles.py).
     role: str = "interactive"
+    # Its KV-cache events come relayed by its engine agent over the router's KV relay socket
+    # (engine_launch/kv_relay.py), on topic kv_events_topic; the endpoints above stay empty.
+    kv_events_relayed: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -78,6 +81,9 @@ class Deregister(msgspec.Struct, frozen=True, tag="deregister"):
 class RegistryAck(msgspec.Struct, frozen=True, tag="ack"):
     replica_id: str
     lease_s: float
+    # Where the engine's agent relays its KV-cache events (engine_launch/kv_relay.py); empty
+    # when the router takes none.
+    kv_relay: str = ""
 
 
 class ReRegister(msgspec.Struct, frozen=True, tag="reregister"):

@@ -1,4 +1,4 @@
-"""ZeroMQ's wire protocol, ZMTP 3.0 with the NULL mechanism, without libzmq.
+"""ZeroMQ's wire protocol, ZMTP 3.0 with the NULL or CURVE mechanism, without libzmq.
 
 The routing conversation between gateways and the router is spoken on plain sockets in the
 processes' own loops: the gateway's DEALER on its asyncio loop (gateway/zmtp_dealer.py), the
@@ -11,30 +11,43 @@ What is spoken (https://rfc.zeromq.org/spec/23/): the 64-byte greeting (version 
 a READY command with the Socket-Type, then messages as frames (MORE flag, 1- or 8-byte
 sizes). Commands after READY other than ERROR (e.g. PING, which libzmq sends only when
 heartbeats are configured) are read and ignored; ERROR, a greeting that is not ZMTP 3 with
-NULL, or a frame over MAX_FRAME closes the connection. Endpoints: `tcp://host:port` and `ipc://path`.
+the mechanism this side speaks, or a frame over MAX_FRAME closes the connection. Endpoints:
+`tcp://host:port` and `ipc://path`. With keys, both sides speak CURVE instead of NULL
+(contracts/zmtp_curve.py: authenticated and encrypted; the router admits only the gateway
+keys it holds), and a peer that speaks the other mechanism is disconnected.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import os
 import socket
 import struct
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
+if TYPE_CHECKING:
+    from hpcserve.contracts.zmtp_curve import CurveServer, ServerKeys
+
 log = logging.getLogger(__name__)
 
-GREETING = (
-    b"\xff" + b"\x00" * 8 + b"\x7f"  # signature
-    + b"\x03\x00"  # version 3.0
-    + b"NULL".ljust(20, b"\x00")  # mechanism
-    + b"\x00"  # as-server: unused by NULL
-    + b"\x00" * 31  # filler
-)  # fmt: skip
+
+def greeting(mechanism: bytes = b"NULL", *, as_server: bool = False) -> bytes:
+    return (
+        b"\xff" + b"\x00" * 8 + b"\x7f"  # signature
+        + b"\x03\x00"  # version 3.0
+        + mechanism.ljust(20, b"\x00")  # mechanism
+        + (b"\x01" if as_server else b"\x00")  # as-server: unused by NULL
+        + b"\x00" * 31  # filler
+    )  # fmt: skip
+
+
+GREETING = greeting()
 _MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
 # A frame larger than this is refused (the connection closed) rather than buffered: routing
 # messages are kilobytes, so a size like this is a broken or hostile peer.
@@ -49,7 +62,7 @@ class ZmtpError(Exception):
     """The peer does not speak what we speak: the connection is closed."""
 
 
-def _frame(body: bytes, flags: int) -> bytes:
+def frame(body: bytes, flags: int) -> bytes:
     size = len(body)
     if size < 256:
         return bytes((flags, size)) + body
@@ -60,7 +73,7 @@ def command(name: bytes, properties: dict[bytes, bytes]) -> bytes:
     body = bytes([len(name)]) + name
     for key, value in properties.items():
         body += bytes([len(key)]) + key + struct.pack(">I", len(value)) + value
-    return _frame(body, _COMMAND)
+    return frame(body, _COMMAND)
 
 
 def ready(socket_type: bytes) -> bytes:
@@ -70,7 +83,7 @@ def ready(socket_type: bytes) -> bytes:
 def encode_message(frames: list[bytes]) -> bytes:
     """One message of one or more frames, as ZMTP puts it on the wire."""
     last = len(frames) - 1
-    return b"".join(_frame(f, _MORE if i < last else 0) for i, f in enumerate(frames))
+    return b"".join(frame(f, _MORE if i < last else 0) for i, f in enumerate(frames))
 
 
 def parse_endpoint(
@@ -95,15 +108,18 @@ class ZmtpParser:
     """Bytes in (`feed`), the peer's greeting checked, then each command body to
     `on_command` and each whole message (its frames) to `on_message`."""
 
-    __slots__ = ("buffer", "frames", "greeted", "on_command", "on_message")
+    __slots__ = ("buffer", "frames", "greeted", "mechanism", "on_command", "on_message")
 
     def __init__(
         self,
         on_command: Callable[[bytes], None],
         on_message: Callable[[list[bytes]], None],
+        *,
+        mechanism: bytes = b"NULL",
     ) -> None:
         self.on_command = on_command
         self.on_message = on_message
+        self.mechanism = mechanism
         self.buffer = bytearray()
         self.greeted = False
         self.frames: list[bytes] = []
@@ -116,8 +132,13 @@ class ZmtpParser:
                 return
             if buffer[0] != 0xFF or buffer[9] != 0x7F or buffer[10] < 3:
                 raise ZmtpError(f"not a ZMTP 3 peer (greeting {bytes(buffer[:11])!r})")
-            if bytes(buffer[12:32]).rstrip(b"\x00") != b"NULL":
-                raise ZmtpError(f"mechanism {bytes(buffer[12:32]).rstrip(bytes(1))!r}, not NULL")
+            theirs = bytes(buffer[12:32]).rstrip(b"\x00")
+            if theirs != self.mechanism:
+                raise ZmtpError(
+                    f"the peer speaks mechanism {theirs.decode(errors='replace')}, this side "
+                    f"{self.mechanism.decode()}"
+                    + (": it holds no key" if theirs == b"NULL" else ": keys on one side only")
+                )
             del buffer[:64]
             self.greeted = True
         pos, end = 0, len(buffer)
@@ -152,7 +173,7 @@ def command_name(body: bytes) -> bytes:
 
 
 class _Peer:
-    __slots__ = ("id", "inbox", "out", "parser", "ready", "sock")
+    __slots__ = ("encode", "id", "inbox", "out", "parser", "ready", "sock")
 
     def __init__(self, peer_id: bytes, sock: socket.socket) -> None:
         self.id = peer_id
@@ -160,7 +181,11 @@ class _Peer:
         self.ready = False
         self.out = bytearray()  # what the kernel did not take yet
         self.inbox: list[list[bytes]] = []
-        self.parser = ZmtpParser(self._on_command, self.inbox.append)
+        self.parser: ZmtpParser | CurveServer = ZmtpParser(self._on_command, self.inbox.append)
+        self.encode: Callable[[list[bytes]], bytes] = encode_message
+
+    def set_ready(self) -> None:
+        self.ready = True
 
     def _on_command(self, body: bytes) -> None:
         name = command_name(body)
@@ -172,6 +197,11 @@ class _Peer:
 
 class ZmtpRouter:
     """A ZeroMQ ROUTER served from the owner's zmq.Poller loop, on plain non-blocking sockets.
+
+    With `curve` (contracts/zmtp_curve.py) every connection speaks CURVE: a peer is
+    admitted (`ready`) only after a handshake proving it holds one of the allowed client
+    keys; until then nothing it sends is read as a message, and a failed handshake
+    disconnects it (`refused` counts connections gone before their handshake ended).
 
     `bind()` listens and registers with `poller`; after each poll, `receive(events)` accepts
     new peers, reads what arrived and yields (peer id, frames) per message; `send(peer, frames)`
@@ -189,9 +219,12 @@ class ZmtpRouter:
         *,
         max_buffered: int = 64 << 20,
         on_drop: Callable[[bytes], None] | None = None,
+        curve: ServerKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.on_drop = on_drop
+        self.curve = curve
+        self.refused = 0  # connections whose CURVE handshake failed
         self._kind, self._host, self._port = parse_endpoint(
             endpoint, "router.routing_bind", bind=True
         )
@@ -210,7 +243,7 @@ class ZmtpRouter:
                 listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 if os.path.exists(self._host):
                     os.unlink(self._host)  # a stale socket file, as libzmq does
-                address: object = self._host
+                address: str | tuple[Any, ...] = self._host
             else:
                 family, _, _, _, address = socket.getaddrinfo(
                     self._host, self._port, type=socket.SOCK_STREAM
@@ -268,7 +301,9 @@ class ZmtpRouter:
         peer = self._by_id.get(peer_id)
         if peer is None or not peer.ready:
             return False
-        data = encode_message(frames)
+        return self._write(peer, peer.encode(frames))
+
+    def _write(self, peer: _Peer, data: bytes) -> bool:
         if peer.out:
             if len(peer.out) + len(data) > self.max_buffered:
                 return False
@@ -301,11 +336,18 @@ class ZmtpRouter:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 keepalive(sock)
             peer = _Peer(next(self._ids).to_bytes(4, "big"), sock)
+            hello = self._hello
+            if self.curve is not None:
+                # The handshake's WELCOME, READY or ERROR go out as they are made.
+                write = functools.partial(self._write, peer)
+                session = self.curve.server(write, peer.inbox.append, peer.set_ready)
+                peer.parser, peer.encode = session, session.encode
+                hello = session.start()
             self._peers[sock.fileno()] = peer
             self._by_id[peer.id] = peer
             self._poller.register(sock.fileno(), zmq.POLLIN)
             try:
-                sock.send(self._hello)  # fits an empty socket buffer
+                sock.send(hello)  # fits an empty socket buffer
             except OSError as err:
                 self._drop(peer, f"greeting failed: {err}")
 
@@ -329,6 +371,8 @@ class ZmtpRouter:
             except ZmtpError as err:
                 self._drop(peer, str(err))
                 return
+            if peer.id not in self._by_id:
+                return  # a handshake reply could not be sent
             if len(data) < 262144:
                 return
 
@@ -351,6 +395,8 @@ class ZmtpRouter:
         if self._peers.pop(fd, None) is not None:
             self._poller.unregister(fd)
         gone = self._by_id.pop(peer.id, None) is not None
+        if gone and self.curve is not None and not peer.ready:
+            self.refused += 1  # it never completed the handshake (no key, or a wrong one)
         peer.sock.close()
         if gone and self.on_drop is not None:
             self.on_drop(peer.id)

@@ -4,7 +4,9 @@ The router is the stable side and binds; the agent connects a DEALER and may be
 started before the router is up. Every receive polls with a timeout. When the
 router answers a heartbeat with ReRegister (it restarted, or our lease lapsed)
 the agent registers again at once, so a router restart heals within one
-heartbeat interval.
+heartbeat interval. Each acknowledgement also names the router's KV relay socket
+(`on_kv_relay`): the engine's relay thread (kv_relay.py) connects there, and again if
+the router moved.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class RegistryAgent:
         self._unanswered = 0
         # The router asks for a LoRA adapter (engine_launch/lora.py answers with send()).
         self.on_load_adapter: Callable[[p.LoadAdapter], None] | None = None
+        # The router's KV relay address, from its acks (engine_launch/kv_relay.py).
+        self.on_kv_relay: Callable[[str], None] | None = None
 
     @property
     def replica_id(self) -> str:
@@ -123,6 +127,8 @@ class RegistryAgent:
                         )
                     self.registered = True
                     self._unanswered = 0
+                    if reply.kv_relay and self.on_kv_relay is not None:
+                        self.on_kv_relay(reply.kv_relay)
                 case p.ReRegister():
                     if self.registered:
                         log.warning("router forgot replica %s; registering again", self.replica_id)

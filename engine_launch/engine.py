@@ -8,6 +8,12 @@ requests for up to --drain-s and exits. If vLLM dies on its own the replica
 deregisters and the command exits non-zero, so Slurm records a failed job and
 the pool manager replaces it.
 
+The engine owns vLLM's whole process tree (process_tree.py): vLLM runs in a session of its
+own under a keeper that ends the tree when the engine is gone, SIGKILL included. A vLLM not
+serving yet has nothing to drain and is stopped at once (SIGTERM to the whole tree, SIGKILL
+after 5 s); whatever way vLLM stops, nothing of its tree is left, and one line says what
+was stopped and how.
+
 A replica across several nodes (`--nnodes N`, one `hpcserve engine` per node started by
 `srun`, its rank from SLURM_NODEID) runs the above on node rank 0 only, which also listens
 on `--head-port` for the other ranks (lifeline.py). Each other rank starts a headless vLLM
@@ -19,16 +25,15 @@ uses, since Slurm's signals to a step reach every process of it, vLLM's included
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcserve.contracts import protocol as p
+from hpcserve.contracts.engine_token import FILE_ENV, EngineTokenError, read_token
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.engine_launch.engine_ports import (
     HTTP,
@@ -52,15 +58,18 @@ from hpcserve.engine_launch.engine_ports import (
     respec,
     taken_ports,
 )
+from hpcserve.engine_launch.kv_relay import KvEventRelay
 from hpcserve.engine_launch.lifeline import HeadLink, WorkerLink
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.engine_launch.lora import RuntimeAdapters, read_plan, stage_adapter
+from hpcserve.engine_launch.process_tree import VllmTree, describe_pids
 from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
 from hpcserve.engine_launch.vllm_args import (
     EngineSpec,
     block_size,
     describe_env,
     kv_events_args,
+    kv_events_endpoints,
     vllm_argv,
     vllm_env,
 )
@@ -110,41 +119,32 @@ class EngineOptions:
     curve_dir: str = ""
     # The pool's role (pools[].role), told to the router in Register.
     role: str = "interactive"
+    # The deployment's engine token (contracts/engine_token.py): vLLM answers 401 to anyone
+    # without it. Empty: no token, vLLM serves anyone who reaches its port (warned).
+    engine_token_file: str = ""
 
 
 class EngineFailed(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if this supervisor dies, even by SIGKILL (Linux only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    pr_set_pdeathsig = 1
-    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+# vLLM's KV-event sockets live in <tmp>/hpcserve-kv-<engine pid>-XXXXXXXX (open_kv_events).
+KV_DIR_PREFIX = "hpcserve-kv-"
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below pid (read from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+def sweep_kv_dirs(parent: Path) -> None:
+    """Remove this account's KV-event directories whose engine is gone (a SIGKILLed engine
+    cannot remove its own)."""
+    for path in parent.glob(f"{KV_DIR_PREFIX}*-*"):
+        pid = path.name[len(KV_DIR_PREFIX) :].partition("-")[0]
         try:
-            stat = (entry / "stat").read_text()
+            if not pid.isdigit() or path.stat().st_uid != os.geteuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
         except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo.extend(children.get(child, []))
-    return found
+            continue  # alive under another account, or gone meanwhile
 
 
 def _http_get(url: str, timeout_s: float) -> tuple[int, str]:
@@ -192,27 +192,30 @@ class EngineRunner:
             master_addr=options.master_addr,
             master_port=options.master_port,
         )
-        if options.engine in ("vllm", "vllm-cpu", "sim") and self.node_rank == 0:
-            # KV-cache events for the router's prefix index (router/kv_subscriber.py); vLLM
-            # binds them on every interface.
-            self.spec = replace(
-                self.spec, kv_events_port=self.reserve_port(), kv_replay_port=self.reserve_port()
-            )
+        # KV-cache events for the router's prefix index (router/kv_subscriber.py): vLLM
+        # publishes on ipc:// sockets in a private directory (open_kv_events), this engine's
+        # agent relays them to the router (kv_relay.py).
+        self.kv_events = options.engine in ("vllm", "vllm-cpu", "sim") and self.node_rank == 0
+        self.kv_relay: KvEventRelay | None = None
         job = self.topology.job_id
         self.replica_id = (
             f"{options.pool or options.served_model_name}-"
             + (f"j{job}" if job else f"{socket.gethostname()}-{os.getpid()}")
             + f"-{uuid.uuid4().hex[:6]}"
         )
-        if self.spec.kv_events_port:
+        if self.kv_events:
             self.spec = replace(self.spec, kv_events_topic=self.replica_id)
         self._stop = threading.Event()
         self._stop_reason = ""
         self._rank_lost = ""
-        self.process: subprocess.Popen[bytes] | None = None
+        # vLLM's tree (process_tree.py); serving once vLLM answered /health (a headless rank:
+        # once it joined the head), before which a stop has nothing to drain.
+        self.process: VllmTree | None = None
+        self._serving = False
         self.lora: RuntimeAdapters | None = None
         self.health: EngineHealth | None = None
         self._gave_up = ""  # the health monitor gave up on this engine: stop vLLM hard
+        self.engine_token = ""  # load_engine_token(); never logged
         self.port_grace_s = 5.0
 
     def _set_urls(self) -> None:
@@ -299,10 +302,19 @@ class EngineRunner:
 
     def start_vllm(self) -> None:
         argv = vllm_argv(self.spec)
-        env = vllm_env(self.spec, os.environ)
+        env = vllm_env(self.spec, os.environ, engine_token=self.engine_token)
         what = "headless vLLM" if self.spec.headless else "vLLM"
-        log.info("starting %s: %s (environment: %s)", what, shlex.join(argv), describe_env(env))
-        self.process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+        if self.process is not None:  # a restart: nothing of the last one may stay
+            self.stop_vllm()
+        self._serving = False
+        self.process = VllmTree(argv, env)
+        log.info(
+            "starting %s in session %d (its own process group): %s (environment: %s)",
+            what,
+            self.process.session,
+            shlex.join(argv),
+            describe_env(env),
+        )
 
     def launch_vllm(self) -> None:
         """Start vLLM and wait until it is ready; restart it on new ports when it exited
@@ -366,6 +378,7 @@ class EngineRunner:
                     log.info(
                         "vLLM ready at %s after %.0fs", self.local_url, time.monotonic() - started
                     )
+                    self._serving = True
                     return
             except OSError:
                 pass
@@ -419,15 +432,42 @@ class EngineRunner:
             return []
 
     def _kv_events_registration(self) -> dict[str, Any]:
-        spec, host = self.spec, self.advertise_host
+        spec = self.spec
         if not kv_events_args(spec):
             return {"block_size": block_size(spec)}
         return {
             "block_size": block_size(spec),
-            "kv_events_endpoint": f"tcp://{host}:{spec.kv_events_port}",
-            "kv_replay_endpoint": f"tcp://{host}:{spec.kv_replay_port}",
             "kv_events_topic": spec.kv_events_topic,
+            "kv_events_relayed": True,
         }
+
+    def open_kv_events(self, agent: RegistryAgent) -> None:
+        """vLLM's KV-event sockets in a directory only this account may enter (mkdtemp: mode
+        0700), and the relay that forwards them to the router once it tells where."""
+        if not self.kv_events:
+            return
+        prefix = f"{KV_DIR_PREFIX}{os.getpid()}-"
+        directory = tempfile.mkdtemp(prefix=prefix)
+        if len(directory) > 90:  # an ipc:// path must fit a sockaddr_un (108 bytes)
+            os.rmdir(directory)
+            directory = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+        sweep_kv_dirs(Path(directory).parent)
+        self.spec = replace(self.spec, kv_events_dir=directory)
+        if not kv_events_args(self.spec):
+            return  # the pool's engine_args configure events themselves
+        events, replay = kv_events_endpoints(self.spec)
+        self.kv_relay = KvEventRelay(
+            events, replay, self.spec.kv_events_topic, curve_dir=self.options.curve_dir
+        )
+        self.kv_relay.start()
+        agent.on_kv_relay = self.kv_relay.connect_router
+
+    def close_kv_events(self) -> None:
+        if self.kv_relay is not None:
+            self.kv_relay.stop()
+            self.kv_relay = None
+        if self.spec.kv_events_dir:
+            shutil.rmtree(self.spec.kv_events_dir, ignore_errors=True)
 
     def serve(self, agent: RegistryAgent) -> None:
         """Heartbeat until asked to stop or vLLM dies."""
@@ -436,7 +476,10 @@ class EngineRunner:
         agent.registration = self.registration()
         if self.spec.max_loras > 0:
             self.lora = RuntimeAdapters(
-                self.local_url, self.options.cache_dir, list(agent.registration.adapters)
+                self.local_url,
+                self.options.cache_dir,
+                list(agent.registration.adapters),
+                engine_token=self.engine_token,
             )
             agent.on_load_adapter = self.lora.submit
         agent.register()
@@ -467,6 +510,7 @@ class EngineRunner:
             engine_url=self.local_url,
             on_drain=self.request_stop,
             on_give_up=self._give_up,
+            engine_token=self.engine_token,
         )
 
     def _give_up(self, reason: str) -> None:
@@ -474,26 +518,47 @@ class EngineRunner:
         self.request_stop(self._gave_up)
 
     def stop_vllm(self) -> int:
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return proc.returncode if proc is not None else 0
+        """Stop vLLM's whole tree (process_tree.py) and log one line saying what was stopped
+        and how; returns vLLM's exit code. Serving: drain (SIGTERM to the API server alone,
+        up to drain_s + 15 s), then kill whatever is left. Not serving yet (loading, a
+        headless rank that never joined): nothing to drain, SIGTERM to every process of the
+        tree and SIGKILL after 5 s. Given up on by the health monitor: SIGKILL at once."""
+        tree = self.process
+        if tree is None:
+            return 0
+        pids = tree.members()
+        if tree.poll() is not None and not pids:
+            tree.close()
+            return tree.returncode or 0
+        started = time.monotonic()
         if self._gave_up:
-            # A stopped or hung engine core cannot drain: kill vLLM and its children.
-            log.warning("killing vLLM (pid %d) and its children: %s", proc.pid, self._gave_up)
-            for pid in [*_descendants(proc.pid), proc.pid]:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            return proc.wait()
-        log.info("stopping vLLM (pid %d): draining up to %ds", proc.pid, self.options.drain_s)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(self.options.drain_s + 15)
-        except subprocess.TimeoutExpired:
-            log.warning(
-                "vLLM did not exit within %ds of SIGTERM; killing it", self.options.drain_s + 15
-            )
-            proc.kill()
-            return proc.wait()
+            tree.kill()
+            how = f"killed (SIGKILL: {self._gave_up})"
+        elif tree.poll() is not None:
+            how = f"exited (code {tree.returncode}); what it left " + tree.terminate()
+        elif not self._serving:
+            how = "not serving yet, nothing to drain: " + tree.terminate()
+        else:
+            wait_s = self.options.drain_s + 15
+            log.info("draining vLLM (pid %d) for up to %ds", tree.pid, self.options.drain_s)
+            tree.signal_api(signal.SIGTERM)
+            if tree.wait(wait_s) is None:
+                tree.kill()
+                how = f"killed (SIGKILL): the drain did not end within {wait_s}s"
+            else:
+                how = "drained"
+        left = tree.close()
+        if left:
+            how += f"; killed pids {describe_pids(left)} left behind"
+        log.info(
+            "vLLM stopped: %s in %.1fs; its process tree (session %d): pids %s; exit code %s",
+            how,
+            time.monotonic() - started,
+            tree.session,
+            describe_pids(pids),
+            tree.returncode,
+        )
+        return tree.returncode or 0
 
     def prepare_model(self) -> None:
         if self.options.engine != "sim" and not os.path.isdir(self.options.model_path):
@@ -505,6 +570,24 @@ class EngineRunner:
             self.stage_model()
         if self.options.lora_plan:
             self.stage_static_adapters()
+
+    def load_engine_token(self) -> None:
+        """The deployment's engine token: vLLM gets it (environment) and the guard (argv);
+        this engine presents it to vLLM itself (probes, LoRA loads)."""
+        path = self.options.engine_token_file
+        if not path:
+            log.warning(
+                "no --engine-token-file ($%s): vLLM answers anyone who reaches port %d",
+                FILE_ENV,
+                self.port,
+            )
+            return
+        try:
+            self.engine_token = read_token(path)
+        except EngineTokenError as err:
+            raise EngineFailed(f"{err} (--engine-token-file, engine.token_file)") from None
+        self.spec = replace(self.spec, token_guard=True)
+        log.info("vLLM answers only callers with the engine token of %s", path)
 
     def stage_static_adapters(self) -> None:
         """Turn LoRA on as the pool's plan says; stage its static adapters (--lora-modules)."""
@@ -555,7 +638,9 @@ class EngineRunner:
                     raise EngineFailed(
                         f"cannot listen on --head-port {self.options.head_port}: {err}"
                     ) from None
+            self.load_engine_token()
             self.prepare_model()
+            self.open_kv_events(agent)
             self.launch_vllm()
             if not self._stop.is_set():
                 self.serve(agent)
@@ -572,6 +657,7 @@ class EngineRunner:
             if self.health is not None:
                 self.health.stop()
             code = self.stop_vllm()
+            self.close_kv_events()
             self.release_ports()
             log.info("engine stopped (vLLM exit code %s)", code)
             if head_link is not None:
@@ -609,6 +695,7 @@ class EngineRunner:
                     raise EngineFailed(str(err)) from None
             if link is not None:
                 log.info("joined the head engine at %s", head)
+                self._serving = True  # stopped with SIGTERM to vLLM alone, as it expects
                 health = self._start_worker_health()
             while link is not None and not self._stop.is_set():
                 code = proc.poll()

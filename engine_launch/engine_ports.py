@@ -18,6 +18,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hpcserve.engine_launch.vllm_args import EngineSpec
 
@@ -25,8 +26,6 @@ from hpcserve.engine_launch.vllm_args import EngineSpec
 PORT_RETRIES = 2
 
 HTTP = "HTTP server"
-KV_EVENTS = "KV-event publisher"
-KV_REPLAY = "KV-event replay socket"
 MASTER = "torch.distributed rendezvous"
 
 
@@ -43,11 +42,8 @@ class EnginePort:
 def engine_ports(spec: EngineSpec, *, http_chosen: bool) -> list[EnginePort]:
     """The ports vLLM (node rank 0) binds for `spec`."""
     http_host = "" if spec.bind_host in ("0.0.0.0", "*") else spec.bind_host
+    # (The KV-event sockets are ipc://, in the engine's private directory: no ports.)
     ports = [EnginePort(HTTP, spec.port, http_chosen, http_host)]
-    if spec.kv_events_port:
-        ports.append(EnginePort(KV_EVENTS, spec.kv_events_port, True))
-    if spec.kv_replay_port:
-        ports.append(EnginePort(KV_REPLAY, spec.kv_replay_port, True))
     if spec.nnodes > 1 and spec.master_port:
         ports.append(EnginePort(MASTER, spec.master_port, False))
     return ports
@@ -60,7 +56,7 @@ def taken_ports(
 
 
 def describe_taken(taken: Sequence[EnginePort]) -> str:
-    """``"the KV-event publisher's port 23456 is in use by another process ..."``."""
+    """``"the HTTP server's port 23456 is in use by another process ..."``."""
     names = [f"the {p.socket}'s port {p.port}" for p in taken]
     verb = "is" if len(names) == 1 else "are"
     return f"{' and '.join(names)} {verb} in use by another process (Address already in use)"
@@ -87,8 +83,9 @@ def port_failure(error: str, taken: Sequence[EnginePort], retries_done: int) -> 
 
 def respec(spec: EngineSpec, new: dict[str, int]) -> EngineSpec:
     """`spec` with new ports (socket name -> port) for the sockets the engine chose."""
-    field = {HTTP: "port", KV_EVENTS: "kv_events_port", KV_REPLAY: "kv_replay_port"}
-    return replace(spec, **{field[name]: port for name, port in new.items()})
+    field = {HTTP: "port"}
+    ports: dict[str, Any] = {field[name]: port for name, port in new.items()}
+    return replace(spec, **ports)
 
 
 def bindable_like_vllm(port: EnginePort) -> bool:

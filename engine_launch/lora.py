@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 
 from hpcserve.contracts import protocol as p
+from hpcserve.contracts.engine_token import auth_headers
 from hpcserve.contracts.lora_plan import LoraPlan
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,13 @@ def stage_adapter(name: str, source: str, manifest_json: bytes, cache_dir: str) 
     return staged.path
 
 
-def _post(url: str, body: dict[str, str], timeout_s: float) -> tuple[int, str]:
+def _post(
+    url: str, body: dict[str, str], timeout_s: float, engine_token: str = ""
+) -> tuple[int, str]:
     request = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **auth_headers(engine_token)},
         method="POST",
     )
     try:
@@ -82,10 +85,17 @@ class RuntimeAdapters:
     """Adapters loaded into one vLLM server; changed only on this object's worker thread."""
 
     def __init__(
-        self, vllm_url: str, cache_dir: str, loaded: list[str], *, http_timeout_s: float = 60.0
+        self,
+        vllm_url: str,
+        cache_dir: str,
+        loaded: list[str],
+        *,
+        http_timeout_s: float = 60.0,
+        engine_token: str = "",
     ) -> None:
         self.vllm_url = vllm_url
         self.cache_dir = cache_dir
+        self._token = engine_token  # vLLM refuses adapter changes from anyone without it
         self.http_timeout_s = http_timeout_s
         self._loaded = list(loaded)
         self._lock = threading.Lock()
@@ -132,6 +142,7 @@ class RuntimeAdapters:
             self.vllm_url + "/v1/load_lora_adapter",
             {"lora_name": msg.adapter, "lora_path": str(path)},
             self.http_timeout_s,
+            self._token,
         )
         if status != 200 and "already been loaded" not in text:
             raise RuntimeError(f"vLLM answered {status} to loading {msg.adapter}: {text[:300]}")
@@ -141,7 +152,10 @@ class RuntimeAdapters:
 
     def _unload(self, name: str) -> None:
         status, text = _post(
-            self.vllm_url + "/v1/unload_lora_adapter", {"lora_name": name}, self.http_timeout_s
+            self.vllm_url + "/v1/unload_lora_adapter",
+            {"lora_name": name},
+            self.http_timeout_s,
+            self._token,
         )
         if status not in (200, 404):
             raise RuntimeError(f"vLLM answered {status} to unloading {name}: {text[:300]}")

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hpcserve.contracts.engine_args import engine_block_size
+from hpcserve.contracts.engine_token import GUARD, TOKEN_ENV
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,19 @@ class EngineSpec:
     node_rank: int = 0
     master_addr: str = ""
     master_port: int = 0
-    # KV-cache events for the router (0: off): vLLM binds its ZMQ publisher and replay
-    # socket on these ports of every interface.
-    kv_events_port: int = 0
-    kv_replay_port: int = 0
+    # KV-cache events for the router ("": off): vLLM binds its ZMQ publisher and replay
+    # socket as ipc:// sockets in this directory, mode 0700, which only the service account
+    # can enter; the engine agent relays them (kv_relay.py).
+    kv_events_dir: str = ""
     # The router tells replicas' events apart by topic: the engine sets its replica id.
     kv_events_topic: str = "kv-events"
     # LoRA: on when max_loras > 0; lora_modules are (name, directory) loaded at start.
     max_loras: int = 0
     max_lora_rank: int = 16
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # The engine token guards every route (contracts/engine_token.py): vLLM gets the guard
+    # as --middleware and the token in its environment (vllm_env), never in its argv.
+    token_guard: bool = False
 
     @property
     def headless(self) -> bool:
@@ -81,17 +85,25 @@ def block_size(spec: EngineSpec) -> int:
     return engine_block_size(spec.engine, spec.extra_args)
 
 
+def kv_events_endpoints(spec: EngineSpec) -> tuple[str, str]:
+    """vLLM's KV-event publisher and replay socket: ipc:// in the engine's private directory."""
+    return f"ipc://{spec.kv_events_dir}/events", f"ipc://{spec.kv_events_dir}/replay"
+
+
 def kv_events_args(spec: EngineSpec) -> list[str]:
     """`--kv-events-config` (ZMQ publisher and replay socket); none when off or when the
     engine arguments already configure events."""
-    if not spec.kv_events_port or any(a.startswith("--kv-events-config") for a in spec.extra_args):
+    if not spec.kv_events_dir or any(a.startswith("--kv-events-config") for a in spec.extra_args):
         return []
+    events, replay = kv_events_endpoints(spec)
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        # With "*" vLLM binds (without it, it would connect); the router subscribes.
-        "endpoint": f"tcp://*:{spec.kv_events_port}",
-        "replay_endpoint": f"tcp://*:{spec.kv_replay_port}" if spec.kv_replay_port else None,
+        # vLLM binds ipc:// endpoints; the engine agent subscribes (kv_relay.py). Never tcp:
+        # the events carry every prompt's token ids, and any user of the node reaches a TCP
+        # port, loopback included.
+        "endpoint": events,
+        "replay_endpoint": replay,
         "topic": spec.kv_events_topic,
     }
     # Prefix caching is on by default for generative models; forcing it with
@@ -160,6 +172,7 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
         *_parallel_args(spec),
         *kv_events_args(spec),
         *lora_args(spec),
+        *(["--middleware", GUARD] if spec.token_guard else []),
         *spec.extra_args,
         *_multinode_args(spec),
     ]
@@ -167,9 +180,17 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
 
 
 def vllm_env(
-    spec: EngineSpec, base: Mapping[str, str], cpu_count: int | None = None
+    spec: EngineSpec,
+    base: Mapping[str, str],
+    cpu_count: int | None = None,
+    *,
+    engine_token: str = "",
 ) -> dict[str, str]:
     env = dict(base)
+    if engine_token:
+        # vLLM's own --api-key check and the guard read it here; the API server's
+        # environment is readable by the service account alone.
+        env[TOKEN_ENV] = engine_token
     # Weights come from disk; a hub lookup would hang on an offline cluster.
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")

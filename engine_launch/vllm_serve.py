@@ -33,11 +33,11 @@ _metadata_version = importlib.metadata.version
 
 
 def main() -> None:
-    importlib.metadata.version = _version_with_vllm_fallback
+    importlib.metadata.version = _version_with_vllm_fallback  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *sys.argv[1:]]
-    vllm_main()
+    vllm_main()  # type: ignore[no-untyped-call]
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -33,17 +33,22 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hpcserve.config import GatewayConfig
+from hpcserve.contracts.engine_token import bearer_matches
 from hpcserve.contracts.prompt_tokens import SESSION_HEADER, RouteHints
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
-from hpcserve.gateway import errors, validate
+from hpcserve.contracts.zmtp_curve import ClientKeys
+from hpcserve.gateway import errors, json_limits, model_tools, validate
+from hpcserve.gateway.audit import AuditLog, AuditRecord, utc_time
 from hpcserve.gateway.auth import KeyRing, Tenant
 from hpcserve.gateway.batch.handlers import batch_routes
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.batch.service import BatchService
+from hpcserve.gateway.messages import messages_routes
 from hpcserve.gateway.metrics import GatewayMetrics
 from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
+from hpcserve.gateway.responses import responses_routes
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
 
 if TYPE_CHECKING:
@@ -71,25 +76,44 @@ class Gateway:
         config: GatewayConfig,
         *,
         routing_endpoint: str,
+        routing_keys: ClientKeys | None = None,
         configured_models: set[str],
         metrics_registry: CollectorRegistry | None = None,
         relay: Relay | None = None,
         tracing: Tracing | None = None,
         batch: BatchService | None = None,
+        engine_token: str = "",
+        metrics_token: str = "",
     ) -> None:
+        """engine_token: the deployment's engine token (contracts/engine_token.py), which
+        every request to an engine presents; engines refuse requests without it.
+        metrics_token: what /metrics (tenant names and usage) asks for as a bearer token;
+        empty: /metrics is open (tests that build the app alone)."""
         self.config = config
         self.batch = batch
         self.configured_models = configured_models
-        self.keys = KeyRing(config.api_keys, tenants=config.tenants, admin_keys=config.admin_keys)
+        self.metrics_token = metrics_token.encode()
+        self.keys = KeyRing(
+            config.api_keys,
+            tenants=config.tenants,
+            admin_keys=config.admin_keys,
+            on_failure=self._auth_failed,
+        )
         self.routing = RoutingClient(
             routing_endpoint,
             timeout_s=config.route_timeout_s,
             view_refresh_s=config.replica_view_s,
             view_max_age_s=config.replica_view_max_age_s,
+            curve=routing_keys,
         )
-        self.relay = relay or Relay(upstream_timeout_s=config.upstream_timeout_s)
+        self.relay = relay or Relay(
+            upstream_timeout_s=config.upstream_timeout_s, engine_token=engine_token
+        )
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.metrics_registry)
+        self.audit = AuditLog(config.audit_log, on_failure=self.metrics.audit_failures.inc)
+        self._auth_report_at = 0.0  # refused keys are logged at most every AUTH_LOG_EVERY_S
+        self._auth_unreported = 0
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
         self.quota = QuotaGate(self.gateway_id, stale_after_s=max(5.0, 10 * config.quota_sync_s))
         self.external = ExternalAPI(config.overflow) if config.overflow.base_url else None
@@ -97,6 +121,7 @@ class Gateway:
             Relay(
                 upstream_timeout_s=config.overflow.timeout_s,
                 timeout_setting="gateway.overflow.timeout_s",
+                engines=False,
             )
             if self.external
             else None
@@ -109,6 +134,8 @@ class Gateway:
         self.tracing = tracing
         # Prefix-aware routing: the prompt's block hashes for the router (set by server.py).
         self.route_hints: RouteHints | None = None
+        # Models whose pools set messages_api = false (gateway/messages.py; set by server.py).
+        self.messages_refused: set[str] = set()
         self._hint_pool: ThreadPoolExecutor | None = None
         self._hints_waiting = 0
         self._quota_sync: asyncio.Task[None] | None = None
@@ -144,6 +171,7 @@ class Gateway:
         if self.external_relay is not None:
             await self.external_relay.close()
         await self.routing.close()
+        self.audit.close()
         if self.tracing is not None:
             self.tracing.shutdown()
         if self._hint_pool is not None:
@@ -174,6 +202,7 @@ class Gateway:
 
     async def read_json(self, request: Request) -> tuple[bytes, dict[str, Any]]:
         body = await self.read_body(request)
+        json_limits.check_body(body)
         try:
             return body, _json_object.decode(body)
         except (msgspec.DecodeError, UnicodeDecodeError) as err:
@@ -182,9 +211,24 @@ class Gateway:
     async def relay_to_model(self, request: Request, endpoint: str) -> Response:
         tenant = self.keys.tenant_for(request.headers.get("authorization"))
         request.scope["hpcserve.tenant"] = tenant.name
+        request.scope["hpcserve.key"] = tenant
         body = await self.read_body(request)
         parsed = validate.parse(endpoint, body)
+        return await self.relay_parsed(request, endpoint, tenant, parsed, body)
+
+    async def relay_parsed(
+        self,
+        request: Request,
+        endpoint: str,
+        tenant: Tenant,
+        parsed: validate.Request,
+        body: bytes,
+    ) -> Response:
+        """A checked body from an authenticated tenant: allowed model, quota, route, relay.
+        The Responses and Messages APIs (gateway/responses.py, messages.py) come in here with
+        the chat completion they translated their request to."""
         model = parsed.model
+        request.scope["hpcserve.asked"] = model  # for the audit log, whatever comes of it
         allowed = tenant.config.allowed_models
         if allowed and model not in allowed:
             raise errors.model_not_allowed(tenant.name, model)
@@ -238,6 +282,11 @@ class Gateway:
             value = request.headers.get(name)
             if value is not None:
                 headers[name] = value
+        if self.audit.enabled:
+            # One id in the audit line, the engine's log and its response id (chatcmpl-<id>).
+            if "x-request-id" not in headers:
+                headers["x-request-id"] = os.urandom(12).hex()
+            request.scope["hpcserve.request_id"] = headers["x-request-id"]
         span = None
         if self.tracing is not None:
             span = self.tracing.request_span(
@@ -299,7 +348,7 @@ class Gateway:
                     try:
                         return await self._overflow(
                             endpoint, tenant, model, body, stream, strip_usage, limited, span,
-                            keep_span=over_budget,
+                            keep_span=over_budget, scope=request.scope,
                         )  # fmt: skip
                     except UpstreamFailed as err:
                         if not over_budget:
@@ -316,7 +365,9 @@ class Gateway:
                 raise errors.no_replica(model)
             # Only routable names become metric labels: client input must not grow the series.
             request.scope["hpcserve.model"] = model
-            exchange = _Exchange(self, tenant, model, limited, decision.replica_id, stream, span)
+            exchange = _Exchange(
+                self, tenant, model, limited, decision.replica_id, stream, span, request.scope
+            )
             if span is not None:
                 assert self.tracing is not None
                 self.tracing.inject(span, headers)
@@ -341,9 +392,12 @@ class Gateway:
             except errors.APIError as err:
                 exchange.abandon()
                 _end(span, err.status)
+                if err.status >= 500:
+                    self.engine_error(model, err.status, decision.replica_id, request.scope, err)
                 raise
         assert failure is not None
         _end(span, failure.status)
+        self.engine_error(model, failure.status, "", request.scope, failure)
         raise failure
 
     async def prefix_hints(
@@ -386,12 +440,13 @@ class Gateway:
         limited: bool,
         span: Any,
         keep_span: bool = False,
+        scope: MutableMapping[str, Any] | None = None,
     ) -> Response:
         """keep_span: a failure before the first byte leaves the span open (the caller
         routes the request to a replica instead)."""
         assert self.external is not None and self.external_relay is not None
         self.metrics.overflow.labels(model, tenant.name).inc()
-        exchange = _Exchange(self, tenant, model, limited, "", stream, span)
+        exchange = _Exchange(self, tenant, model, limited, "", stream, span, scope)
         try:
             return await self.external_relay.forward(
                 self.external.url(endpoint),
@@ -413,6 +468,87 @@ class Gateway:
         if children is None:
             children = self._children[key] = _ModelMetrics(self.metrics, model, tenant)
         return children
+
+    def engine_error(
+        self, model: str, status: int, replica: str, scope: MutableMapping[str, Any], detail: object
+    ) -> None:
+        """An engine failure that reaches the client: counted and logged, one line."""
+        self.metrics.engine_errors.labels(model, str(status)).inc()
+        log.warning(
+            "engine error %d for model %s (replica %s, request id %s): %s",
+            status,
+            model,
+            replica or "-",
+            _request_id(scope),
+            str(detail)[:300],
+        )
+
+    def _auth_failed(self, reason: str) -> None:
+        """A refused key: counted, and logged (never the key) at most every
+        AUTH_LOG_EVERY_S with how many were refused since; each has its audit line."""
+        self.metrics.auth_failures.labels(reason).inc()
+        self._auth_unreported += 1
+        now = time.monotonic()
+        if now >= self._auth_report_at:
+            log.warning(
+                "refused %d request(s) with 401 since the last report, the last one for a %s "
+                "API key (hpcserve_gateway_auth_failures_total; the audit log has each)",
+                self._auth_unreported,
+                reason,
+            )
+            self._auth_unreported = 0
+            self._auth_report_at = now + AUTH_LOG_EVERY_S
+
+    def audit_request(
+        self, scope: MutableMapping[str, Any], status: int, exchange: _Exchange | None = None
+    ) -> None:
+        """The request's audit line (gateway/audit.py)."""
+        tenant = scope.get("hpcserve.key")
+        if tenant is None and "hpcserve.tenant" not in scope:  # not a relayed request
+            tenant = self.keys.peek(_header(scope, b"authorization"))
+        request_id = scope.get("hpcserve.request_id") or _header(scope, b"x-request-id")
+        client = scope.get("client")
+        if exchange is not None:
+            model, replica = exchange.model, exchange.replica_id
+            prompt, completion = exchange.prompt, exchange.completion
+        else:
+            model = scope.get("hpcserve.model") or scope.get("hpcserve.asked") or ""
+            replica, prompt, completion = "", 0, 0
+        self.audit.write(
+            AuditRecord(
+                time=utc_time(time.time()),
+                tenant=tenant.name if tenant is not None else "",
+                key_id=tenant.key_id if tenant is not None else "",
+                client=client[0] if client else "",
+                method=scope.get("method", ""),
+                path=scope.get("path", "")[:256],
+                model=model[:256],
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                status=status,
+                replica=replica,
+                request_id=(request_id or os.urandom(12).hex())[:128],
+            )
+        )
+
+
+AUTH_LOG_EVERY_S = 10.0
+
+
+def _request_id(scope: MutableMapping[str, Any]) -> str:
+    """The request's id for a log line: the gateway's or the client's X-Request-Id, else a new
+    one (kept in the scope, so that every line about the request names the same)."""
+    request_id = scope.get("hpcserve.request_id") or _header(scope, b"x-request-id")
+    if not request_id:
+        request_id = scope["hpcserve.request_id"] = os.urandom(12).hex()
+    return str(request_id)[:128]
+
+
+def _header(scope: Mapping[str, Any], name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 class _ModelMetrics:
@@ -476,6 +612,7 @@ class _Exchange:
         "model",
         "prompt",
         "replica_id",
+        "scope",
         "span",
         "started",
         "stream",
@@ -491,7 +628,13 @@ class _Exchange:
         replica_id: str,
         stream: bool,
         span: Any,
+        scope: MutableMapping[str, Any] | None = None,
     ) -> None:
+        """scope: the request's; its audit line is then written at done() (a stream's
+        tokens and status are known only at its end), not by the endpoint."""
+        self.scope = scope
+        if scope is not None:
+            scope["hpcserve.exchange"] = True
         self.gateway = gateway
         self.tenant = tenant
         self.model = model
@@ -514,6 +657,8 @@ class _Exchange:
 
     def abandon(self) -> None:
         """The relay raised: release the replica; the caller settles quota and trace."""
+        if self.scope is not None:
+            self.scope.pop("hpcserve.exchange", None)  # the endpoint writes the audit line
         self.gateway.metrics.in_flight.dec()
         if self.replica_id:
             self.gateway.routing.release(self.replica_id, self.model)
@@ -542,6 +687,12 @@ class _Exchange:
         if self.span is not None:
             assert gateway.tracing is not None
             gateway.tracing.finish(self.span, status, self.prompt, self.completion)
+        if self.scope is not None and gateway.audit.enabled:
+            gateway.audit_request(self.scope, status, self)
+        if status >= 500:
+            gateway.engine_error(
+                self.model, status, self.replica_id, self.scope or {}, "answered with an error"
+            )
 
 
 Handler = Callable[[Gateway, Request], Awaitable[Response]]
@@ -554,6 +705,7 @@ def _endpoint(
     latency = metrics.latency.labels(name)
     # Labelled children looked up once per (model, tenant, status), not per request.
     counters: dict[tuple[str, str, int], Any] = {}
+    audited = gateway.audit.enabled and name not in ("health", "metrics")
 
     async def endpoint(request: Request) -> Response:
         started = time.perf_counter()
@@ -563,6 +715,19 @@ def _endpoint(
             response = err.response()
         except ClientDisconnect:
             response = Response(status_code=499)
+        except Exception as err:  # the last line of defence, not the fix: one line, no trace
+            request_id = _request_id(request.scope)
+            metrics.internal_errors.labels(name).inc()
+            log.error(
+                "%s %s failed (request id %s): %s: %s",
+                request.scope.get("method", ""),
+                request.scope.get("path", ""),
+                request_id,
+                type(err).__name__,
+                str(err)[:300],
+            )
+            log.debug("the traceback of request %s", request_id, exc_info=True)
+            response = errors.server_error(request_id).response()
         latency.observe(time.perf_counter() - started)
         scope = request.scope
         key = (
@@ -574,6 +739,8 @@ def _endpoint(
         if counter is None:
             counter = counters[key] = metrics.requests.labels(name, key[0], key[1], str(key[2]))
         counter.inc()
+        if audited and "hpcserve.exchange" not in scope:  # else the exchange writes it
+            gateway.audit_request(scope, response.status_code)
         return response
 
     return endpoint
@@ -696,26 +863,57 @@ async def score(gateway: Gateway, request: Request) -> Response:
 
 
 async def list_models(gateway: Gateway, request: Request) -> Response:
-    gateway.keys.tenant_for(request.headers.get("authorization"))
-    try:
-        listing = await gateway.routing.models()
-    except RouterUnavailable as err:
-        raise errors.APIError(503, str(err), type="service_unavailable", retry_after_s=5) from None
+    """The models served now: served names, aliases and LoRA adapters with their replicas;
+    only those the tenant may use (its allowed_models)."""
+    tenant = gateway.keys.tenant_for(request.headers.get("authorization"))
+    allowed = tenant.config.allowed_models
     data = [
-        {
-            "id": m.id,
-            "object": "model",
-            "created": m.created,
-            "owned_by": "hpcserve",
-            "replicas": m.replicas,
-            # A LoRA adapter names its base model, as vLLM's own /v1/models does.
-            **({"parent": m.parent} if m.parent else {}),
-            # An alias names the registry version it routes to (router/aliases.py).
-            **({"alias_of": m.alias_of} if m.alias_of else {}),
-        }
-        for m in listing.models
+        _model_card(m.id, m.created, m.replicas, m.parent, m.alias_of)
+        for m in await _listed_models(gateway)
+        if not allowed or m.id in allowed
     ]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def retrieve_model(gateway: Gateway, request: Request) -> Response:
+    """GET /v1/models/{model} (the SDK's models.retrieve): the model's /v1/models entry. A
+    model of the config with no replica now has `replicas: 0` (a request for it waits for one
+    or gets 503, not 404). Any other name, or one the tenant may not use, is a 404 in OpenAI's
+    shape (model_not_found), as a request naming it would be."""
+    tenant = gateway.keys.tenant_for(request.headers.get("authorization"))
+    model = request.path_params["model"]
+    allowed = tenant.config.allowed_models
+    if allowed and model not in allowed:
+        raise errors.model_not_found(model)
+    for m in await _listed_models(gateway):
+        if m.id == model:
+            return JSONResponse(_model_card(m.id, m.created, m.replicas, m.parent, m.alias_of))
+    if model in gateway.configured_models:
+        return JSONResponse(_model_card(model, 0, 0))
+    raise errors.model_not_found(model)
+
+
+async def _listed_models(gateway: Gateway) -> list[Any]:
+    try:
+        return (await gateway.routing.models()).models
+    except RouterUnavailable as err:
+        raise errors.APIError(503, str(err), type="service_unavailable", retry_after_s=5) from None
+
+
+def _model_card(
+    model: str, created: int, replicas: int, parent: str = "", alias_of: str = ""
+) -> dict[str, Any]:
+    return {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "hpcserve",
+        "replicas": replicas,
+        # A LoRA adapter names its base model, as vLLM's own /v1/models does.
+        **({"parent": parent} if parent else {}),
+        # An alias names the registry version it routes to (router/aliases.py).
+        **({"alias_of": alias_of} if alias_of else {}),
+    }
 
 
 async def health(gateway: Gateway, request: Request) -> Response:
@@ -723,6 +921,17 @@ async def health(gateway: Gateway, request: Request) -> Response:
 
 
 async def metrics(gateway: Gateway, request: Request) -> Response:
+    if gateway.metrics_token and not bearer_matches(
+        request.headers.get("authorization", ""), gateway.metrics_token
+    ):
+        gateway.metrics.auth_failures.labels("metrics").inc()
+        raise errors.APIError(
+            401,
+            "/metrics names tenants: send the gateway's metrics token as a bearer token "
+            "(the file gateway.metrics_token_file names)",
+            type="authentication_error",
+            code="invalid_metrics_token",
+        )
     return Response(generate_latest(gateway.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -761,9 +970,23 @@ def build_app(gateway: Gateway) -> Starlette:
         Route("/v1/score", _endpoint(gateway, "score", score), methods=["POST"]),
         Route("/score", _endpoint(gateway, "score", score), methods=["POST"]),
         Route("/v1/models", _endpoint(gateway, "models", list_models), methods=["GET"]),
+        # Served names may hold "/" (org/model): the SDK sends it percent-encoded.
+        Route(
+            "/v1/models/{model:path}",
+            _endpoint(gateway, "models", retrieve_model),
+            methods=["GET"],
+        ),
         Route("/health", _endpoint(gateway, "health", health), methods=["GET"]),
         Route("/metrics", _endpoint(gateway, "metrics", metrics), methods=["GET"]),
         *(batch_routes(gateway, _endpoint) if gateway.batch is not None else []),
+        *responses_routes(gateway, _endpoint),
+        *messages_routes(gateway, _endpoint),
+        Route("/tokenize", _endpoint(gateway, "tokenize", model_tools.tokenize), methods=["POST"]),
+        Route(
+            "/detokenize",
+            _endpoint(gateway, "detokenize", model_tools.detokenize),
+            methods=["POST"],
+        ),
     ]
     app = GatewayApp(
         routes=routes,
@@ -791,14 +1014,20 @@ class GatewayApp(Starlette):
             if hot is not None:
                 try:
                     await hot(scope, receive, send)
-                except Exception:
-                    # As Starlette's ServerErrorMiddleware: a 500 if nothing was sent yet, and
-                    # the error goes on to the server, which logs it.
+                except Exception as err:
+                    # Past the endpoint's own catch-all: sending the response failed (a stream
+                    # broke). A 500 if nothing was sent yet; one log line, no traceback.
+                    log.error(
+                        "%s failed while answering (request id %s): %s: %s",
+                        scope["path"],
+                        _request_id(scope),
+                        type(err).__name__,
+                        str(err)[:300],
+                    )
                     with contextlib.suppress(Exception):
-                        await errors.APIError(
-                            500, "Internal server error", type="server_error"
-                        ).response()(scope, receive, send)
-                    raise
+                        await errors.server_error(_request_id(scope)).response()(
+                            scope, receive, send
+                        )
                 return
         await super().__call__(scope, receive, send)
 

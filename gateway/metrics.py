@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -95,6 +95,8 @@ class _Family:
 
 
 class Counter(_Family):
+    inc: Callable[..., None]  # an unlabelled family's own child's (see _Family)
+
     def _child(self) -> CounterChild:
         return CounterChild()
 
@@ -109,6 +111,10 @@ class Counter(_Family):
 
 
 class Gauge(_Family):
+    inc: Callable[..., None]
+    dec: Callable[..., None]
+    set: Callable[[float], None]
+
     def _child(self) -> GaugeChild:
         return GaugeChild()
 
@@ -123,6 +129,8 @@ class Gauge(_Family):
 
 
 class Histogram(_Family):
+    observe: Callable[[float], None]
+
     def __init__(
         self,
         name: str,
@@ -221,6 +229,27 @@ class GatewayMetrics:
             "hpcserve_gateway_quota_sync_failures",
             "Quota reports the router did not answer in time",
         )
+        self.auth_failures = Counter(
+            "hpcserve_gateway_auth_failures",
+            "Requests refused with 401 by reason (missing, malformed, invalid key)",
+            ["reason"],
+        )
+        self.audit_failures = Counter(
+            "hpcserve_gateway_audit_failures",
+            "Audit log lines that could not be written (gateway.audit_log)",
+        )
+        self.engine_errors = Counter(
+            "hpcserve_gateway_engine_errors",
+            "Engine failures that reached a client (5xx answers, and failures mid-stream) by "
+            "model and status; each is logged with its request id",
+            ["model", "status"],
+        )
+        self.internal_errors = Counter(
+            "hpcserve_gateway_internal_errors",
+            "Requests answered 500 because the gateway itself raised (logged with the "
+            "request id): a bug to report",
+            ["endpoint"],
+        )
         registry.register(
             _Collector(
                 [
@@ -235,6 +264,10 @@ class GatewayMetrics:
                     self.retries,
                     self.rejected,
                     self.quota_sync_failures,
+                    self.auth_failures,
+                    self.audit_failures,
+                    self.engine_errors,
+                    self.internal_errors,
                 ]
             )
         )

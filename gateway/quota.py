@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hpcserve.contracts import protocol as p
 from hpcserve.contracts.rate_window import Window
@@ -30,8 +30,10 @@ from hpcserve.gateway.auth import Tenant
 from hpcserve.gateway.errors import APIError
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
 
-if TYPE_CHECKING:
-    from prometheus_client import Counter
+
+class _Counter(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +224,7 @@ class QuotaGate:
 
 
 async def keep_quota_synced(
-    gate: QuotaGate, routing: RoutingClient, sender_id: str, interval_s: float, failures: Counter
+    gate: QuotaGate, routing: RoutingClient, sender_id: str, interval_s: float, failures: _Counter
 ) -> None:
     """Every `interval_s`, this process's usage to the router's quota book and every other
     process's totals back into `gate` (a gateway's, or the batch runner's); runs until

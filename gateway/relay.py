@@ -16,14 +16,23 @@ which the openai SDK raises as an APIError, never a hang.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from hpcserve.gateway.errors import APIError, upstream_timeout, upstream_unreachable
+from hpcserve.contracts.engine_token import auth_headers
+from hpcserve.gateway.errors import (
+    APIError,
+    error_status,
+    openai_error_body,
+    openai_error_event,
+    upstream_timeout,
+    upstream_unreachable,
+)
 from hpcserve.gateway.upstream_http import (
     UpstreamClient,
     UpstreamError,
@@ -44,6 +53,7 @@ FORWARDED_REQUEST_HEADERS = ("traceparent", "tracestate", "x-request-id")
 # An engine answering these before any byte of its answer is retried on another replica.
 RETRYABLE_STATUSES = frozenset({502, 503})
 _JSON = (b"content-type", b"application/json")
+log = logging.getLogger(__name__)
 
 
 class Exchange(Protocol):
@@ -101,10 +111,18 @@ class Relay:
         upstream_timeout_s: float,
         connect_timeout_s: float = 10.0,
         timeout_setting: str = "gateway.upstream_timeout_s",
+        engine_token: str = "",
+        engines: bool = True,
     ) -> None:
+        """engine_token: presented to every engine (contracts/engine_token.py). engines:
+        this relay's upstreams are our engines, so their 401 means they hold another token
+        than ours, never the client's fault: tried on another replica, else a 502. The relay
+        to the external API has neither (its key is in the headers passed to forward)."""
+        self.engines = engines
         self.upstream_timeout_s = upstream_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.timeout_setting = timeout_setting
+        self._fixed_headers = auth_headers(engine_token)
         self._client = self._new_client()
 
     def _new_client(self) -> UpstreamClient:
@@ -112,6 +130,7 @@ class Relay:
             first_byte_timeout_s=self.upstream_timeout_s,
             idle_timeout_s=self.upstream_timeout_s,
             connect_timeout_s=self.connect_timeout_s,
+            headers=self._fixed_headers,
         )
 
     async def start(self) -> None:
@@ -147,6 +166,14 @@ class Relay:
         if status in RETRYABLE_STATUSES:
             upstream.close()
             raise UpstreamFailed(**_unreachable(f"{url} answered {status}"))
+        if status == 401 and self.engines:
+            upstream.close()
+            log.error(
+                "%s refused the engine token: the gateway and the engine read different "
+                "token files (engine.token_file)",
+                url,
+            )
+            raise UpstreamFailed(**_unreachable(f"{url} refused the gateway's engine token"))
         response_headers = relayed_headers(upstream.headers)
         if not stream or status != 200:
             try:
@@ -164,17 +191,44 @@ class Relay:
                 if found is not None:
                     _report_usage(exchange, found)
             elif status >= 400:
-                payload = openai_error_body(status, payload)
+                payload = openai_error_body(status, payload, headers.get("x-request-id", ""))
                 response_headers = [h for h in response_headers if h[0] != b"content-type"]
                 response_headers.append(_JSON)
             exchange.done(status)
             response = Response(payload, status_code=status)
             response.raw_headers[:0] = response_headers  # its own: the content-length
             return response
+        # The first chunk before the client's answer begins: vLLM checks some fields only
+        # once it streams (bad_words that do not tokenize, a grammar that fails to compile),
+        # and a stream that opens with an error is answered as that error, a real 4xx/5xx.
+        try:
+            first = await upstream.next_chunk()
+        except UpstreamTimeout:
+            upstream.close()
+            raise upstream_timeout(self.timeout_setting, self.upstream_timeout_s) from None
+        except UpstreamError as err:
+            upstream.close()
+            raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
+        at = first.find(_ERROR_EVENT)
+        if at >= 0 and _nothing_before(first[:at]):
+            upstream.close()
+            exchange.first_byte()
+            payload = first[at + 6 :].split(b"\n\n", 1)[0]
+            status = error_status(payload)
+            body = openai_error_body(status, payload, headers.get("x-request-id", ""))
+            exchange.done(status)
+            return Response(body, status_code=status, media_type="application/json")
         finish = _Once(exchange)
         response = StreamingResponse(
             _relay_chunks(
-                upstream, exchange, finish, strip_usage, strip_continuous, self.timeout_setting
+                upstream,
+                exchange,
+                finish,
+                strip_usage,
+                strip_continuous,
+                self.timeout_setting,
+                headers.get("x-request-id", ""),
+                first,
             ),
             status_code=status,
             # Also after a disconnect before the first chunk, when the generator never ran.
@@ -184,40 +238,7 @@ class Relay:
         return response
 
 
-class _ErrorBody(msgspec.Struct):
-    error: dict[str, object] | None = None
-    message: str | None = None  # vLLM's older flat shape: {"object": "error", "message", ...}
-    type: str | None = None
-    param: str | None = None
-    code: int | str | None = None
-
-
-_error_decoder = msgspec.json.Decoder(_ErrorBody)
-
-
-def openai_error_body(status: int, payload: bytes) -> bytes:
-    """An engine's error as OpenAI's {"error": {...}}, whatever shape (or none) it came in."""
-    try:
-        body = _error_decoder.decode(payload)
-    except msgspec.DecodeError:
-        body = None
-    if body is not None and body.error is not None:
-        return payload
-    if body is not None and body.message:
-        error = {"message": body.message, "type": body.type, "param": body.param}
-        error["code"] = body.code
-    else:
-        text = payload.decode("utf-8", "replace").strip()[:500] or "no detail"
-        error = {
-            "message": f"The engine answered {status}: {text}",
-            "type": "invalid_request_error" if status < 500 else "upstream_error",
-            "param": None,
-            "code": status,
-        }
-    return msgspec.json.encode({"error": error})
-
-
-def _unreachable(detail: str) -> dict[str, object]:
+def _unreachable(detail: str) -> dict[str, Any]:
     err = upstream_unreachable(detail)
     return {"status": err.status, "message": err.message, "type": err.type, "code": err.code}
 
@@ -232,9 +253,36 @@ class _Once:
             exchange.done(status)
 
 
-def error_event(message: str, *, type: str, code: str) -> bytes:
-    payload = {"error": {"message": message, "type": type, "param": None, "code": code}}
+def error_event(message: str, *, code: str) -> bytes:
+    payload = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+_ERROR_EVENT = b'data: {"error"'  # vLLM's error event in a stream (quotes inside text are \")
+
+
+def _nothing_before(events: bytes) -> bool:
+    """Whether the events before an error event in a stream's first chunk gave the client
+    nothing: none, or only chat's opening role event with empty content."""
+    if events and not events.endswith(b"\n\n"):
+        return False
+    return all(
+        b'"role":"assistant","content":""}' in event
+        for event in events.split(b"\n\n")
+        if event.strip()
+    )
+
+
+def _error_events(block: bytes, request_id: str) -> tuple[bytes, int]:
+    """A block of whole events with the engine's error events in OpenAI's shape, and the
+    status the first one stands for (0 if none)."""
+    failed = 0
+    events = block.split(b"\n\n")
+    for i, event in enumerate(events):
+        if event.startswith(_ERROR_EVENT):
+            events[i] = openai_error_event(event[6:], request_id)[:-2]
+            failed = failed or error_status(event[6:])
+    return b"\n\n".join(events), failed
 
 
 _USAGE_KEY = b',"usage":{'
@@ -320,6 +368,8 @@ async def _relay_chunks(
     strip_usage: bool,
     strip_continuous: bool = False,
     timeout_setting: str = "gateway.upstream_timeout_s",
+    request_id: str = "",
+    first_chunk: bytes = b"",
 ) -> AsyncIterator[bytes]:
     # Closing the upstream response when the client goes away (this generator is
     # cancelled or closed) drops the engine connection, and vLLM aborts the request.
@@ -328,11 +378,17 @@ async def _relay_chunks(
     first = True
     latest: list[bytes] = []  # the last continuous usage seen, not yet decoded
     try:
-        while chunk := await upstream.next_chunk():
+        while chunk := first_chunk or await upstream.next_chunk():
+            first_chunk = b""
             if first:
                 exchange.first_byte()
                 first = False
-            if not pending and chunk.endswith(b"\n\n") and b'"usage"' not in chunk:
+            if (
+                not pending
+                and chunk.endswith(b"\n\n")
+                and b'"usage"' not in chunk
+                and _ERROR_EVENT not in chunk
+            ):
                 yield chunk
                 continue
             data = pending + chunk
@@ -342,6 +398,9 @@ async def _relay_chunks(
                 continue
             block, pending = data[: cut + 2], data[cut + 2 :]
             block = _events_with_usage(block, exchange, strip_usage, strip_continuous, latest)
+            if _ERROR_EVENT in block:  # the engine failed mid-stream: in OpenAI's shape
+                block, failed = _error_events(block, request_id)
+                status = failed or status
             if block.strip():
                 yield block
         if pending:
@@ -349,18 +408,14 @@ async def _relay_chunks(
     except UpstreamTimeout:
         status = 504
         yield error_event(
-            f"The engine went silent mid-stream ({timeout_setting})",
-            type="timeout",
-            code="upstream_timeout",
+            f"The engine went silent mid-stream ({timeout_setting})", code="upstream_timeout"
         )
     except (GeneratorExit, asyncio.CancelledError):
         status = 499  # the client went away
         raise
     except UpstreamError as err:
         status = 502
-        yield error_event(
-            f"The engine failed mid-stream: {err}", type="upstream_error", code="upstream_failed"
-        )
+        yield error_event(f"The engine failed mid-stream: {err}", code="upstream_failed")
     finally:
         upstream.close()
         _report_latest(exchange, latest)

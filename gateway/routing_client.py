@@ -38,6 +38,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from hpcserve.contracts import protocol as p
+from hpcserve.contracts.zmtp_curve import ClientKeys
 from hpcserve.gateway.replica_view import ReplicaView
 from hpcserve.gateway.zmtp_dealer import ZmtpDealer
 
@@ -66,8 +67,11 @@ class RoutingClient:
         adapter_wait_s: float = 60.0,
         view_refresh_s: float = 2.0,
         view_max_age_s: float = 300.0,
+        curve: ClientKeys | None = None,
     ) -> None:
+        """curve: the gateway key (contracts/zmtp_curve.py) for a router with CURVE keys."""
         self.endpoint = endpoint
+        self.curve = curve
         self.timeout_s = timeout_s
         # The last known replica set, routed on while the router is away.
         self.view = ReplicaView(view_max_age_s, clock=time.monotonic)
@@ -100,7 +104,11 @@ class RoutingClient:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._dealer = ZmtpDealer(
-            self.endpoint, self._on_message, self._connected, on_lost=self._connection_lost
+            self.endpoint,
+            self._on_message,
+            self._connected,
+            on_lost=self._connection_lost,
+            curve=self.curve,
         )
         self._dealer.start()
         self._viewer = asyncio.create_task(self._refresh_view(), name="routing-client-view")

@@ -201,7 +201,7 @@ class Tracing:
             self._wake.clear()
             stopping = self._stopping
             while self._finished:
-                batch = []
+                batch: list[ReadableSpan] = []
                 while self._finished and len(batch) < EXPORT_BATCH:
                     batch.append(self._readable(self._finished.popleft()))
                 try:

@@ -85,6 +85,11 @@ def request_head(start: bytes, headers: Mapping[str, str], content_length: int) 
     return start + f"{text}Content-Length: {content_length}\r\n\r\n".encode("latin-1")
 
 
+def header_lines(headers: Mapping[str, str]) -> bytes:
+    """Header lines as request_head writes them (without Content-Length or the blank line)."""
+    return request_head(b"", headers, 0).removesuffix(b"Content-Length: 0\r\n\r\n")
+
+
 def request_start(method: str, url: str) -> tuple[str, str, int, bytes]:
     """(scheme, host, port, request line + Host header) for an absolute http(s) URL."""
     parts = urlsplit(url)
@@ -558,7 +563,8 @@ class UpstreamResponse:
 
     def _overdue(self, now: float) -> bool:
         """Whether the upstream is silent past its timeout (then failed here)."""
-        if not self._watched():
+        conn = self._conn
+        if conn is None or not self._watched():
             return False
         client = self._client
         if self._paused:  # the caller is slow, not the upstream
@@ -569,11 +575,11 @@ class UpstreamResponse:
             return False
         if self._got_bytes:
             error = UpstreamTimeout(
-                f"{self._conn.pool} went silent for {timeout:g} s mid-answer", phase="idle"
+                f"{conn.pool} went silent for {timeout:g} s mid-answer", phase="idle"
             )
         else:
             error = UpstreamTimeout(
-                f"{self._conn.pool} did not answer within {timeout:g} s", phase="first byte"
+                f"{conn.pool} did not answer within {timeout:g} s", phase="first byte"
             )
         self._fail(error)
         return True
@@ -594,9 +600,14 @@ class UpstreamClient:
         max_connections: int = 1024,
         keepalive_s: float = 60.0,
         ssl_context: ssl_module.SSLContext | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
+        """`headers`: sent with every request, e.g. the engine token's Authorization
+        (written once into each target's cached request start: nothing per request)."""
         if max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        # Checked for line breaks here; empty when none.
+        self._fixed_head = header_lines(headers or {})
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.connect_timeout_s = connect_timeout_s
@@ -665,6 +676,7 @@ class UpstreamClient:
 
     def _target(self, method: str, url: str) -> tuple[_Pool, bytes]:
         scheme, host, port, start = request_start(method, url)
+        start += self._fixed_head
         key = (scheme, host, port)
         pool = self._pools.get(key)
         if pool is None:

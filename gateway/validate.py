@@ -4,6 +4,12 @@ Each endpoint has a msgspec Struct naming the fields the gateway relies on or th
 an engine would reject with a 500 rather than a 400; unknown fields pass through to
 vLLM untouched (the body is forwarded as sent). Errors name the field and the bad
 value, e.g. ``max_tokens: expected int >= 1, got -5``.
+
+Before the typed decode, gateway/json_limits.py bounds the raw JSON (nesting depth, 64-bit
+integers and floats, lone surrogates) for every field, known or not; JSON schemas and
+regexes for structured output (response_format, structured_outputs, tools) must be ones the
+engine's grammar backend compiles (gateway/schema_check.py). docs/architecture.md lists
+what is refused and why.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import jsonschema
 import msgspec
 
 from hpcserve.config import humanize_validation_error
+from hpcserve.gateway import json_limits, schema_check
 from hpcserve.gateway.errors import APIError, bad_request
 
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -36,6 +43,29 @@ class JsonSchemaFormat(msgspec.Struct):
 class ResponseFormat(msgspec.Struct):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # structural_tag: the deprecated form's structures (each with a schema), or a format tree
+    structures: list[Any] | None = None
+    format: Any = None
+
+
+class StructuredOutputs(msgspec.Struct):
+    """vLLM's own structured-output constraints (the parts a gateway can check)."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: Any = None
+
+
+class FunctionDefinition(msgspec.Struct):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(msgspec.Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
 
 
 class Message(msgspec.Struct):
@@ -64,6 +94,8 @@ class ChatRequest(_Sampling):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    tools: list[Tool] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -71,6 +103,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     echo: bool | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class EmbeddingRequest(msgspec.Struct):
@@ -112,6 +145,7 @@ STREAMING = ("/v1/chat/completions", "/v1/completions")
 
 def parse(endpoint: str, body: bytes) -> Request:
     """The typed request, or a 400 APIError naming the field and the problem."""
+    json_limits.check_body(body)
     try:
         if not body.isascii():
             body.decode()  # msgspec skips unknown fields without checking their UTF-8
@@ -119,10 +153,15 @@ def parse(endpoint: str, body: bytes) -> Request:
     except msgspec.ValidationError as err:
         raise _validation_error(err, body) from None
     except msgspec.DecodeError as err:
-        raise bad_request(f"Request body is not valid JSON: {err}") from None
+        message, param = json_limits.explain_decode_error(str(err), body)
+        raise bad_request(f"Request body is not valid JSON: {message}", param=param) from None
     except UnicodeDecodeError as err:
         raise bad_request(
             f"Request body is not valid UTF-8: byte {err.object[err.start]:#04x} at {err.start}"
+        ) from None
+    except RecursionError:  # json_limits bounds the depth far below this: belt and braces
+        raise bad_request(
+            f"Request body nests JSON too deeply (the limit is {json_limits.MAX_DEPTH} levels)"
         ) from None
     if request.stream and endpoint not in STREAMING:
         raise bad_request(f"{endpoint} does not stream: 'stream' must be false", param="stream")
@@ -130,6 +169,10 @@ def parse(endpoint: str, body: bytes) -> Request:
         if not request.messages:
             raise bad_request("'messages' is required and must not be empty", param="messages")
         _check_response_format(request.response_format)
+        _check_structured_outputs(request.structured_outputs)
+        for i, tool in enumerate(request.tools or ()):
+            if tool.function.parameters is not None:
+                check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
     elif isinstance(request, EmbeddingRequest):
         if request.input in ("", []):
             raise bad_request("'input' is required and must not be empty", param="input")
@@ -139,6 +182,15 @@ def parse(endpoint: str, body: bytes) -> Request:
             raise bad_request("'prompt' is required and must not be empty", param="prompt")
         _check_homogeneous(request.prompt, "prompt")
         _check_response_format(request.response_format)
+        _check_structured_outputs(request.structured_outputs)
+        if request.stream and request.echo and request.logprobs is not None and request.n > 1:
+            # vLLM 0.32.0 fails mid-stream on it (KeyError in _create_completion_logprobs),
+            # depending on how the choices' first tokens arrive.
+            raise bad_request(
+                "'echo' with 'logprobs' is not supported on a streamed completion with n > 1 "
+                "(stream it with n = 1, or do not stream it)",
+                param="echo",
+            )
     return request
 
 
@@ -170,6 +222,9 @@ def _validation_error(err: msgspec.ValidationError, body: bytes) -> APIError:
 
 
 def _check_response_format(fmt: ResponseFormat | None) -> None:
+    if fmt is not None and fmt.type == "structural_tag":
+        _check_tag_schemas(fmt.structures, "response_format.structures")
+        _check_tag_schemas(fmt.format, "response_format.format")
     if fmt is None or fmt.type != "json_schema":
         return
     if fmt.json_schema is None or fmt.json_schema.schema is None:
@@ -177,13 +232,77 @@ def _check_response_format(fmt: ResponseFormat | None) -> None:
             "response_format.json_schema.schema is required when type is 'json_schema'",
             param="response_format.json_schema.schema",
         )
-    schema = fmt.json_schema.schema
+    check_json_schema(fmt.json_schema.schema, "response_format.json_schema.schema")
+
+
+def _check_structured_outputs(so: StructuredOutputs | None) -> None:
+    if so is None:
+        return
+    if so.choice is not None and (not so.choice or not all(so.choice)):
+        raise bad_request(
+            "structured_outputs.choice must be a non-empty list of non-empty strings",
+            param="structured_outputs.choice",
+        )
+    if so.regex is not None:
+        schema_check.check_regex(so.regex, "structured_outputs.regex")
+    if so.grammar is not None:
+        schema_check.check_grammar(so.grammar, "structured_outputs.grammar")
+    tag = so.structural_tag
+    if isinstance(tag, str):
+        try:
+            tag = _any.decode(tag)
+        except msgspec.DecodeError as err:
+            raise bad_request(
+                f"structured_outputs.structural_tag is not valid JSON: {err}",
+                param="structured_outputs.structural_tag",
+            ) from None
+    _check_tag_schemas(tag, "structured_outputs.structural_tag")
+    schema = so.json
+    if isinstance(schema, str):
+        if json_limits.nesting_depth(schema.encode()) > schema_check.MAX_DEPTH:
+            schema_check.too_deep("structured_outputs.json")
+        try:
+            schema = _any.decode(schema)
+        except msgspec.DecodeError as err:
+            raise bad_request(
+                f"structured_outputs.json is not valid JSON: {err}",
+                param="structured_outputs.json",
+            ) from None
+    if schema is not None:
+        check_json_schema(schema, "structured_outputs.json")
+
+
+def _check_tag_schemas(tag: Any, param: str) -> None:
+    """The JSON schemas inside a structural tag (under "schema" or "json_schema", at any
+    depth: vLLM checks the tag's shape, and its engine compiles these with xgrammar)."""
+    stack: list[tuple[str, Any]] = [(param, tag)]
+    while stack:
+        path, node = stack.pop()
+        if path.count(".") > schema_check.MAX_DEPTH:
+            schema_check.too_deep(param)
+        if isinstance(node, dict):
+            for key, value in node.items():
+                at = f"{path}.{key}"
+                if key in ("schema", "json_schema") and isinstance(value, dict | bool):
+                    check_json_schema(value, at)
+                else:
+                    stack.append((at, value))
+        elif isinstance(node, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(node))
+
+
+def check_json_schema(schema: object, param: str) -> None:
+    """A JSON Schema valid by its meta-schema that the engine's grammar backend compiles."""
+    schema_check.check_depth(schema, param)
+    if not isinstance(schema, dict | bool):
+        raise bad_request(f"{param} must be a JSON Schema (an object)", param=param)
+    schema_check.check_schema(schema, param)  # first: its messages say what the engine lacks
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as err:
         where = "/".join(str(x) for x in err.absolute_path) or "(root)"
         raise bad_request(
-            f"response_format.json_schema.schema is not a valid JSON Schema at {where}: "
-            f"{err.message}",
-            param="response_format.json_schema.schema",
+            f"{param} is not a valid JSON Schema at {json_limits.shown_path(where)}: "
+            f"{json_limits.shown_path(err.message, 300)}",
+            param=param,
         ) from None

@@ -1,9 +1,11 @@
-"""A ZeroMQ DEALER that lives in the asyncio event loop: ZMTP 3.0, NULL mechanism.
+"""A ZeroMQ DEALER that lives in the asyncio event loop: ZMTP 3.0, NULL or CURVE mechanism.
 
 The gateway's side of the routing conversation (contracts/zmtp.py has the wire format, shared
 with the router's side, and why neither uses libzmq): a send is one write() on the loop's
 transport and a reply arrives with the loop's own poll, like any HTTP connection. The
 connection is retried every `reconnect_s` while it is down (libzmq's default interval).
+With `curve` keys (contracts/zmtp_curve.py) it speaks CURVE: the connection is ready once
+the router has admitted our key, and every message is encrypted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import functools
 import logging
 import socket
 from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from hpcserve.contracts.zmtp import (
     GREETING,
@@ -25,6 +28,9 @@ from hpcserve.contracts.zmtp import (
     parse_endpoint,
     ready,
 )
+
+if TYPE_CHECKING:
+    from hpcserve.contracts.zmtp_curve import ClientKeys, CurveClient
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +53,14 @@ class _Connection(asyncio.Protocol):
     def __init__(self, owner: ZmtpDealer) -> None:
         self.owner = owner
         self.transport: asyncio.Transport | None = None
-        self.parser = ZmtpParser(self._on_command, owner.on_message)
+        self.parser: ZmtpParser | CurveClient
+        self.encode: Callable[[list[bytes]], bytes] = encode_message
+        self.curve: CurveClient | None = None
+        if owner.curve is None:
+            self.parser = ZmtpParser(self._on_command, owner.on_message)
+        else:
+            self.curve = owner.curve.client(self._write, owner.on_message, self._curve_ready)
+            self.parser, self.encode = self.curve, self.curve.encode
         self.ready = False
         self.lost = asyncio.get_running_loop().create_future()
 
@@ -62,12 +75,23 @@ class _Connection(asyncio.Protocol):
                 log.warning(
                     "routing connection to %s reached itself; retrying", self.owner.endpoint
                 )
-                transport.abort()
+                cast(asyncio.Transport, transport).abort()
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             keepalive(sock)  # a router host gone without a word: reconnect, not wait
         self.owner._conn = self
-        transport.write(GREETING + READY)
+        cast(asyncio.Transport, transport).write(
+            GREETING + READY if self.curve is None else self.curve.start()
+        )
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(data)
+
+    def _curve_ready(self) -> None:
+        if not self.ready:
+            self.ready = True
+            self.owner._ready(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_ready, self.ready = self.ready, False
@@ -90,7 +114,9 @@ class _Connection(asyncio.Protocol):
             raise ZmtpError(f"peer sent ERROR: {body[1 + body[0] :]!r}")
 
     def _fail(self, why: str) -> None:
-        log.warning("ZMTP connection to %s closed: %s", self.owner.endpoint, why)
+        if why != self.owner._last_failure:  # once per cause, not once per retry
+            self.owner._last_failure = why
+            log.warning("ZMTP connection to %s closed: %s", self.owner.endpoint, why)
         if self.transport is not None:
             self.transport.close()
 
@@ -108,8 +134,11 @@ class ZmtpDealer:
         *,
         reconnect_s: float = 0.1,
         on_lost: Callable[[], None] = lambda: None,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.curve = curve
+        self._last_failure = ""
         self._kind, self._host, self._port = parse_endpoint(endpoint)
         self.on_message = on_message
         self.on_connected = on_connected
@@ -130,7 +159,7 @@ class ZmtpDealer:
         conn = self._conn
         if conn is None or not conn.ready or conn.transport is None:
             return False
-        conn.transport.write(encode_message(frames))
+        conn.transport.write(conn.encode(frames))
         return True
 
     async def close(self) -> None:
@@ -164,7 +193,12 @@ class ZmtpDealer:
 
     def _ready(self, conn: _Connection) -> None:
         if conn is self._conn:
-            log.info("routing connection to %s ready", self.endpoint)
+            self._last_failure = ""
+            log.info(
+                "routing connection to %s ready%s",
+                self.endpoint,
+                " (CURVE)" if self.curve is not None else "",
+            )
             self.on_connected()
 
     def _lost(self, conn: _Connection, was_ready: bool) -> None:

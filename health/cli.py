@@ -19,6 +19,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, write_to_textfile
 
 from hpcserve.config import ConfigError, HealthConfig, PlatformConfig, load_config
+from hpcserve.contracts.engine_token import FILE_ENV, read_token
 from hpcserve.contracts.health_policy import severity, worst_action
 from hpcserve.contracts.protocol import HealthFinding
 from hpcserve.health.dcgm import dcgm_findings
@@ -29,9 +30,11 @@ from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.health.nvml import NvmlUnavailable, fake_state_path, open_nvml
 from hpcserve.health.policy import Policy
 from hpcserve.health.resume import read_count, resume_step, write_count
+from hpcserve.slurm.client import SlurmCLI
+from hpcserve.slurm.parse import SlurmNode
 
 
-def add_health_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_health_parser(sub: argparse._SubParsersAction) -> None:
     health = sub.add_parser("health", help="GPU and engine health checks")
     hsub = health.add_subparsers(dest="health_command", required=True, metavar="COMMAND")
     p = hsub.add_parser(
@@ -54,6 +57,12 @@ def add_health_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument("--engine-url", default="", help="also probe this engine (one-token generation)")
     p.add_argument("--model", default="", help="with --engine-url: the served model name")
+    p.add_argument(
+        "--engine-token-file",
+        default=os.environ.get(FILE_ENV, ""),
+        help=f"with --engine-url: the engine token file (default: ${FILE_ENV}, else the "
+        "config's engine.token_file)",
+    )
     p.add_argument("--dcgm-diag", action="store_true", help="also run `dcgmi diag -r 1`")
     p.add_argument(
         "--kernel-log",
@@ -105,22 +114,20 @@ class _Check:
             ["check", "action"],
             registry=self.registry,
         )
-        self._slurm = None
+        self._slurm: SlurmCLI | None = None
         self.pci: dict[str, int] = {}  # PCI bus id -> GPU index, for kernel-log Xids
         self.state_dir = Path(args.state_dir or self.health.check_state_dir)
 
     @property
-    def slurm(self):  # type: ignore[no-untyped-def]
+    def slurm(self) -> SlurmCLI:
         if self._slurm is None:
-            from hpcserve.slurm.client import SlurmCLI
-
             env = dict(os.environ)
             if self.config.slurm.conf:
                 env["SLURM_CONF"] = self.config.slurm.conf
             self._slurm = SlurmCLI(env, timeout_s=10)
         return self._slurm
 
-    def slurm_node(self):  # type: ignore[no-untyped-def]
+    def slurm_node(self) -> SlurmNode | None:
         return next((n for n in self.slurm.nodes() if n.name == self.node), None)
 
     def expected_gpus(self) -> int:
@@ -185,7 +192,11 @@ class _Check:
     def engine_findings(self) -> list[HealthFinding]:
         if not self.args.engine_url:
             return []
-        probe = GenerationProbe(self.args.engine_url, self.args.model)
+        token_file = self.args.engine_token_file
+        if not token_file and os.path.exists(self.config.engine_token_path()):
+            token_file = self.config.engine_token_path()
+        token = read_token(token_file) if token_file else ""
+        probe = GenerationProbe(self.args.engine_url, self.args.model, engine_token=token)
         result = probe.run(self.health.probe_deadline_s)
         if result.ok:
             if result.detail:

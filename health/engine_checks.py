@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from hpcserve.contracts.engine_token import auth_headers
+
 # (path, body) per kind, tried in this order until one is not refused with a 4xx.
 _PROBES = (
     ("/v1/completions", {"prompt": "ok", "max_tokens": 1, "temperature": 0}),
@@ -33,9 +35,11 @@ class ProbeResult:
 
 
 class GenerationProbe:
-    def __init__(self, base_url: str, model: str) -> None:
+    def __init__(self, base_url: str, model: str, *, engine_token: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         self.model = model
+        # The deployment's engine token (contracts/engine_token.py): engines refuse others.
+        self.headers = {"Content-Type": "application/json", **auth_headers(engine_token)}
         self.kind: int | None = None  # index into _PROBES once known
 
     def run(self, deadline_s: float) -> ProbeResult:
@@ -69,7 +73,7 @@ class GenerationProbe:
         request = urllib.request.Request(
             self.base_url + path,
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers=self.headers,
         )
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as resp:

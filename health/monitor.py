@@ -106,11 +106,12 @@ class HealthMonitor:
         nvml: Any = None,
         visible: list[str] | None = None,
         expected_gpus: int = 0,
+        engine_token: str = "",
     ) -> None:
         self.config = config
         self.policy = Policy(config)
         self.engine_url = engine_url.rstrip("/")
-        self.probe = GenerationProbe(engine_url, model)
+        self.probe = GenerationProbe(engine_url, model, engine_token=engine_token)
         self.progress = TokenProgress(config.stall_s)
         self.nvml = nvml
         self.gpu_checks = (
@@ -209,7 +210,13 @@ def health_config_from_env(env: Mapping[str, str]) -> HealthConfig:
 
 
 def monitor_for_engine(
-    *, engine: str, engine_url: str, model: str, node: str, env: Mapping[str, str] | None = None
+    *,
+    engine: str,
+    engine_url: str,
+    model: str,
+    node: str,
+    env: Mapping[str, str] | None = None,
+    engine_token: str = "",
 ) -> HealthMonitor | None:
     """The monitor for one engine as its job's environment configures it; None when off."""
     env = os.environ if env is None else env
@@ -234,4 +241,5 @@ def monitor_for_engine(
         nvml=nvml,
         visible=parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES")),
         expected_gpus=int(expected) if expected.isdigit() else 0,
+        engine_token=engine_token,
     )

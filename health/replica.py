@@ -66,12 +66,14 @@ class EngineHealth:
         engine_url: str,
         on_drain: Callable[[str], None],
         on_give_up: Callable[[str], None],
+        engine_token: str = "",
     ) -> EngineHealth | None:
         monitor = monitor_for_engine(
             engine=engine,
             engine_url=engine_url,
             model=registration.model,
             node=registration.node,
+            engine_token=engine_token,
         )
         if monitor is None:
             log.info("health monitor off (health.monitor = false)")

@@ -144,6 +144,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         lora_plan=args.lora_plan,
         curve_dir=args.curve_dir,
         role=args.role,
+        engine_token_file=args.engine_token_file,
     )
     try:
         runner = EngineRunner(options)
@@ -214,6 +215,17 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return 2
     write_override(Path(cfg.state_dir), pool.name, None if args.reset else args.replicas)
     target = pool.replicas if args.reset else args.replicas
+    if pool.autoscale is not None:
+        print(
+            f"pool {pool.name}: "
+            + (
+                "autoscaling resumes"
+                if args.reset
+                else f"desired replicas {target}; autoscaling paused until --reset"
+            )
+            + "; the pool manager applies it at its next poll"
+        )
+        return 0
     print(
         f"pool {pool.name}: desired replicas {target}"
         + (" (back to the config's value)" if args.reset else "")
@@ -296,7 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     with_config(sub.add_parser("router", help="run the router")).set_defaults(func=cmd_router)
-    p = with_config(sub.add_parser("keys", help="create CURVE keys for the registry socket"))
+    p = with_config(
+        sub.add_parser(
+            "keys", help="create CURVE keys for the router's sockets (registry, KV relay, routing)"
+        )
+    )
     p.add_argument("--dir", default="", help="where (default: <state_dir>/curve)")
     p.add_argument("--force", action="store_true", help="replace existing keys")
     p.set_defaults(func=cmd_keys)
@@ -351,7 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--curve-dir",
         default=os.environ.get("HPCSERVE_CURVE_DIR", ""),
-        help="CURVE keys for the registry socket (default: $HPCSERVE_CURVE_DIR; empty: plain)",
+        help="CURVE keys for the registry and KV relay sockets (default: $HPCSERVE_CURVE_DIR; "
+        "empty: plain)",
+    )
+    p.add_argument(
+        "--engine-token-file",
+        default=os.environ.get("HPCSERVE_ENGINE_TOKEN_FILE", ""),
+        help="the engine token vLLM requires of its callers (default: "
+        "$HPCSERVE_ENGINE_TOKEN_FILE; empty: vLLM answers anyone)",
     )
     p.add_argument(
         "--role",

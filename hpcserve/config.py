@@ -94,16 +94,40 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     heartbeat_s: PosFloat = 2.0
     metrics_port: Port = 9101
     routing: RoutingConfig = RoutingConfig()
-    # CURVE keys of the registry socket (`hpcserve keys` writes <state_dir>/curve); empty:
-    # plain, which the router refuses on a non-loopback registry_bind unless allowed here.
+    # CURVE keys (`hpcserve keys` writes <state_dir>/curve): with them the registry socket,
+    # the KV relay socket and the routing socket all authenticate and encrypt (engines hold
+    # the engine key, gateways and the CLI the gateway key). Empty: plain, which the router
+    # refuses on any non-loopback bind unless allow_plain_remote says so.
     curve_dir: str = ""
     allow_plain_remote: bool = False
+    # Where engines' agents relay their vLLM's KV-cache events (engine_launch/kv_relay.py).
+    # "": the registry_bind host on a free port; engines learn the address when they
+    # register. kv_relay_endpoint: what they dial, when not registry_endpoint's host.
+    kv_relay_bind: str = ""
+    kv_relay_endpoint: str = ""
     # How often the router re-reads aliases and canary shares from the model registry
     # (router/aliases.py): `hpcserve models alias|promote` takes effect within this.
     alias_refresh_s: PosFloat = 2.0
 
     def engines_dial(self) -> str:
         return self.registry_endpoint or self.registry_bind
+
+    def kv_relay_binds(self) -> str:
+        """The KV relay socket's bind: kv_relay_bind, or registry_bind's host on a free port
+        (ipc: a path beside the registry's)."""
+        if self.kv_relay_bind:
+            return self.kv_relay_bind
+        if self.registry_bind.startswith("ipc://"):
+            return self.registry_bind + ".kv"
+        return self.registry_bind.rpartition(":")[0] + ":*"
+
+    def kv_relay_dial(self, bound: str) -> str:
+        """What engines dial for the relay socket bound at `bound` (its port resolved)."""
+        if self.kv_relay_endpoint:
+            return self.kv_relay_endpoint
+        if bound.startswith("ipc://"):
+            return bound
+        return self.engines_dial().rpartition(":")[0] + ":" + bound.rpartition(":")[2]
 
     def gateways_dial(self) -> str:
         return self.routing_endpoint or self.routing_bind
@@ -187,6 +211,26 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Share of requests traced (a client's sampled traceparent is always followed): spans cost
     # CPU on every traced request (docs/benchmarks.md), so a busy gateway samples.
     trace_sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+    # TLS for clients (sites without a reverse proxy): PEM certificate chain and key files,
+    # both or neither; checked at the gateway's start (they exist and load).
+    tls_cert: str = ""
+    tls_key: str = ""
+    # The audit log, one JSON line per request (time, tenant, key id, model, tokens, status,
+    # request id; never prompt or completion text): "-" into the gateway's own log (stderr),
+    # a file path (appended, mode 0600), or "" for none.
+    audit_log: str = "-"
+    # The Responses API's stored responses (`store`, `previous_response_id`; gateway/
+    # responses_store.py): SQLite under this directory, shared by every gateway of the site;
+    # default: <state_dir>/responses.
+    responses_dir: str = ""
+    # How long a stored response stays retrievable and chainable (seconds; OpenAI keeps
+    # them 30 days). Older ones are 404 and are deleted as the gateway writes new ones.
+    responses_retention_s: PosFloat = 30 * 86400.0
+    # The gateway's /metrics names tenants and their usage: it answers only requests that
+    # present this file's token as a bearer token (made, 0600, at start if absent; default
+    # <state_dir>/secrets/metrics-token). Prometheus reads a copy (`authorization:
+    # credentials_file`).
+    metrics_token_file: str = ""
 
 
 class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -229,6 +273,43 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # does not preempt batch jobs for them (slurm.batch_partition), and where it does, Slurm
     # acts first (poolmgr/batch_sizing.py).
     batch_yield_after_s: NonNegFloat = 30.0
+    # Where the pool manager writes the live engines as Prometheus file_sd targets (their
+    # vLLM /metrics), for `file_sd_configs` (deploy/prometheus/prometheus.example.yml);
+    # empty: not written.
+    scrape_targets_file: str = ""
+
+
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An interactive pool sized by its load (poolmgr/autoscale.py), between min and max.
+
+    The pool wants a replica per `target_in_flight` requests in flight (the engines' running
+    plus waiting, or the router's in-flight count, whichever is larger), plus `warm_spares`.
+    It grows as soon as the engines have queued more than `max_waiting_per_replica`
+    requests per replica, the KV cache is fuller than `max_kv_usage` or the load wants more
+    replicas, for `scale_up_window_s`; straight to the size the load needs. It shrinks one
+    replica at a time, only once the load has fitted one replica fewer at
+    `scale_down_utilization` of `target_in_flight` for `scale_down_window_s`, and
+    `scale_down_cooldown_s` after any change; the replica drains (no request fails).
+    """
+
+    max: PosInt
+    min: NonNegInt = 1
+    # The SLO the pool holds (p95 over requests): shown with the decisions; the TTFT/TPOT
+    # signal that scales on it is not wired yet (docs/architecture.md).
+    ttft_p95_s: PosFloat = 0.8
+    tpot_p95_s: PosFloat = 0.05
+    target_in_flight: PosInt = 8
+    max_waiting_per_replica: NonNegInt = 2
+    max_kv_usage: Fraction = 0.9
+    scale_down_utilization: Fraction = 0.5
+    scale_up_window_s: NonNegFloat = 10.0
+    scale_down_window_s: NonNegFloat = 300.0
+    scale_up_cooldown_s: NonNegFloat = 30.0  # after a scale-up, before the next one
+    scale_down_cooldown_s: NonNegFloat = 120.0  # after any change, before a scale-down
+    warm_spares: NonNegInt = 0  # replicas above what the load needs (N+1: 1)
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -269,6 +350,18 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     max_replicas: NonNegInt = 0
     backlog_per_replica: PosInt = 100
     scale_down_after_s: NonNegFloat = 60.0
+    # Tool calling (`tools` / `tool_choice`): the vLLM tool-call parser of the model's format,
+    # e.g. "hermes" (Qwen, Hermes), "llama3_json" (Llama 3.1+), "mistral"; the engine gets
+    # --enable-auto-tool-choice --tool-call-parser NAME. "": off (vLLM answers 400 to a
+    # tool_choice other than "none"). Checked against vLLM 0.32.0's parsers at start.
+    tool_call_parser: str = ""
+    # Anthropic's Messages API (/v1/messages, gateway/messages.py) for this pool's model: the
+    # gateway translates it to chat completions, so any model that serves chat can take it;
+    # false refuses it (a base model without a chat template, an embedding model).
+    messages_api: bool = True
+    # An interactive pool sized by its load between autoscale.min and autoscale.max
+    # (poolmgr/autoscale.py); `replicas` is then the size it starts at. None: fixed size.
+    autoscale: AutoscaleConfig | None = None
 
     @property
     def model(self) -> str:
@@ -283,6 +376,9 @@ class EngineHostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     python: str = ""  # interpreter with vLLM; default: the one running hpcserve
     # Node-local directory (NVMe) that registry models are staged into before vLLM starts.
     cache_dir: str = ""
+    # The engine token every caller of an engine presents (contracts/engine_token.py); made
+    # at the first start if absent. Default: <state_dir>/secrets/engine-token.
+    token_file: str = ""
 
 
 class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -371,8 +467,19 @@ class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def registry_path(self) -> str:
         return self.registry or str(Path(self.state_dir) / "registry.sqlite3")
 
+    def engine_token_path(self) -> str:
+        return self.engine.token_file or str(Path(self.state_dir) / "secrets" / "engine-token")
+
+    def metrics_token_path(self) -> str:
+        return self.gateway.metrics_token_file or str(
+            Path(self.state_dir) / "secrets" / "metrics-token"
+        )
+
     def batch_dir(self) -> str:
         return self.batch.dir or str(Path(self.state_dir) / "batch")
+
+    def responses_dir(self) -> str:
+        return self.gateway.responses_dir or str(Path(self.state_dir) / "responses")
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -466,6 +573,27 @@ def _check_lora(i: int, pool: PoolConfig, cache_dir: str) -> None:
         )
 
 
+def _check_tool_calling(i: int, pool: PoolConfig) -> None:
+    from hpcserve.contracts.engine_args import TOOL_CALL_PARSERS
+
+    parser = pool.tool_call_parser
+    if not parser:
+        return
+    if any(a.startswith("--tool-call-parser") for a in pool.engine_args):
+        raise ConfigError(
+            f"pools[{i}].tool_call_parser: {parser!r} and a --tool-call-parser in "
+            "engine_args; set one of them"
+        )
+    # A parser registered by a plugin (--tool-parser-plugin) is vLLM's to check.
+    plugin = any(a.startswith("--tool-parser-plugin") for a in pool.engine_args)
+    if parser not in TOOL_CALL_PARSERS and not plugin:
+        raise ConfigError(
+            f"pools[{i}].tool_call_parser: {parser!r} is not a tool-call parser of vLLM "
+            f"0.32.0; allowed: {', '.join(sorted(TOOL_CALL_PARSERS))} (or a plugin's, with "
+            "--tool-parser-plugin FILE in engine_args)"
+        )
+
+
 def _check_semantics(cfg: PlatformConfig) -> None:
     seen: set[str] = set()
     for i, pool in enumerate(cfg.pools):
@@ -485,7 +613,9 @@ def _check_semantics(cfg: PlatformConfig) -> None:
             )
         _check_parallelism(i, pool)
         _check_lora(i, pool, cfg.engine.cache_dir)
+        _check_tool_calling(i, pool)
         _check_elastic(i, pool)
+        _check_autoscale(i, pool)
         if pool.nodes_per_replica > 1 and cfg.poolmgr.launcher == "local":
             raise ConfigError(
                 f"pools[{i}].nodes_per_replica: {pool.nodes_per_replica} needs "
@@ -493,6 +623,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 "process)"
             )
     _check_tenants(cfg.gateway)
+    _check_tls(cfg.gateway)
     _check_health(cfg.health)
     if cfg.router.heartbeat_s * 2 > cfg.router.lease_s:
         raise ConfigError(
@@ -530,6 +661,34 @@ def _check_elastic(i: int, pool: PoolConfig) -> None:
         )
 
 
+def _check_autoscale(i: int, pool: PoolConfig) -> None:
+    auto = pool.autoscale
+    if auto is None:
+        return
+    key = f"pools[{i}].autoscale"
+    if pool.role == "batch":
+        raise ConfigError(
+            f"{key}: pool {pool.name!r} has role 'batch', which grows with the Batch API "
+            "backlog (max_replicas); autoscale is for interactive pools"
+        )
+    if auto.min == 0:
+        raise ConfigError(
+            f"{key}.min: 0 (scale to zero) is not supported yet; the smallest min is 1"
+        )
+    if auto.min > auto.max:
+        raise ConfigError(f"{key}.min: {auto.min} is above autoscale.max ({auto.max})")
+    if not auto.min <= pool.replicas <= auto.max:
+        raise ConfigError(
+            f"pools[{i}].replicas: {pool.replicas} is outside autoscale.min..max "
+            f"({auto.min}..{auto.max}); with autoscale it is the size the pool starts at"
+        )
+    if auto.warm_spares >= auto.max:
+        raise ConfigError(
+            f"{key}.warm_spares: {auto.warm_spares} leaves no room below autoscale.max "
+            f"({auto.max}) for the load itself"
+        )
+
+
 def _check_health(health: HealthConfig) -> None:
     from hpcserve.contracts.health_policy import CHECKS
 
@@ -550,6 +709,12 @@ def _check_health(health: HealthConfig) -> None:
         raise ConfigError(
             "health.reset_hook: an action is 'drain_reset' but no reset hook is configured"
         )
+
+
+def _check_tls(gateway: GatewayConfig) -> None:
+    if bool(gateway.tls_cert) != bool(gateway.tls_key):
+        given, missing = ("tls_cert", "tls_key") if gateway.tls_cert else ("tls_key", "tls_cert")
+        raise ConfigError(f"gateway.{missing}: gateway.{given} is set; TLS needs both files")
 
 
 def _check_tenants(gateway: GatewayConfig) -> None:
@@ -655,7 +820,7 @@ def _to_toml(data: dict[str, object]) -> str:
             tables.append((key, value))
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             arrays.append((key, value))
-        else:
+        elif value is not None:  # TOML has no null: a None is the key's default, left out
             lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
     for key, table in tables:
         sub_arrays = {
@@ -670,11 +835,17 @@ def _to_toml(data: dict[str, object]) -> str:
         for k, items in sub_arrays.items():
             for item in items:
                 lines.append(f"\n[[{key}.{k}]]")
-                lines.extend(f"{_toml_key(ik)} = {_toml_value(iv)}" for ik, iv in item.items())
+                lines.extend(
+                    f"{_toml_key(ik)} = {_toml_value(iv)}"
+                    for ik, iv in item.items()
+                    if iv is not None
+                )
     for key, items in arrays:
         for item in items:
             lines.append(f"\n[[{key}]]")
-            lines.extend(f"{_toml_key(ik)} = {_toml_value(iv)}" for ik, iv in item.items())
+            lines.extend(
+                f"{_toml_key(ik)} = {_toml_value(iv)}" for ik, iv in item.items() if iv is not None
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -55,6 +55,15 @@ MUNGE_RUN_DIR = Path("/run/munge")
 MUNGE_PID_FILE = MUNGE_RUN_DIR / "munged.pid"
 MUNGE_LOG = Path("/var/log/munge/munged.log")
 _OWNER_FILE = "munged.owner"
+JOB_IDS_PER_CLUSTER = 1000
+# Read by slurmd with proctrack/cgroup (from slurm.conf's directory). autodetect: v2 where
+# /sys/fs/cgroup is cgroup2, else v1; IgnoreSystemd: v2 without systemd/dbus (slurmd makes
+# its own cgroups), ignored by v1.
+CGROUP_CONF = """# Written by hpcserve.localslurm.
+CgroupPlugin=autodetect
+CgroupMountpoint=/sys/fs/cgroup
+IgnoreSystemd=yes
+"""
 # sinfo %T states in which a node takes work (a busy node of an already running cluster is fine)
 _USABLE_STATES = {"idle", "mixed", "allocated", "completing"}
 
@@ -79,6 +88,11 @@ class LocalSlurmSpec:
     # A second partition over the same nodes for batch pools (slurm.batch_partition), in a
     # lower PriorityTier: jobs of `partition` preempt (cancel) its jobs. "": none.
     batch_partition: str = ""
+    # How slurmd tracks a job's processes: "auto" is proctrack/cgroup where the kernel allows
+    # it (as real sites run, so a job's processes go with the job whatever they do), else
+    # proctrack/linuxproc (parent links: a process whose parent exits is lost); "cgroup" or
+    # "linuxproc" forces one.
+    proctrack: str = "auto"
 
 
 def _which(name: str) -> str | None:
@@ -196,6 +210,32 @@ def _wait_gone(pids: Iterable[int], deadline: float) -> set[int]:
     return left
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_support(root: Path = CGROUP_ROOT) -> tuple[bool, str]:
+    """Whether slurmd's proctrack/cgroup can work here, and why (or why not): it needs a
+    freezer it can make cgroups in, cgroup v2's (cgroup.freeze) or v1's freezer hierarchy."""
+    if (root / "cgroup.controllers").exists():
+        where, what = root, "cgroup v2"
+    elif (root / "freezer").is_dir():
+        where, what = root / "freezer", "cgroup v1 (freezer)"
+    else:
+        return False, f"no cgroup freezer under {root} (neither cgroup v2 nor a v1 freezer)"
+    probe = where / f"hpcserve-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except OSError as err:
+        return False, f"{what} at {where} is not writable here ({err.strerror})"
+    try:
+        if what == "cgroup v2" and not (probe / "cgroup.freeze").exists():
+            return False, "cgroup v2 without cgroup.freeze (kernel older than 5.2)"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.rmdir()
+    return True, f"{what} at {where}"
+
+
 def _port_free(port: int) -> bool:
     """Whether a daemon could listen on port (Slurm binds with SO_REUSEADDR, so do we)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -229,6 +269,30 @@ class LocalSlurm:
         self.spec = spec
         self.state_dir = Path(spec.state_dir).absolute()
         self.node_names = [f"n{i}" for i in range(1, spec.nodes + 1)]
+        if spec.proctrack not in ("auto", "cgroup", "linuxproc"):
+            raise ValueError(f"LocalSlurmSpec.proctrack must be auto, cgroup or linuxproc: {spec}")
+        self._proctrack: tuple[str, str] | None = None
+
+    def proctrack(self) -> tuple[str, str]:
+        """(ProctrackType, why): chosen once, logged once."""
+        if self._proctrack is None:
+            if self.spec.proctrack == "linuxproc":
+                self._proctrack = ("proctrack/linuxproc", "asked for (LocalSlurmSpec.proctrack)")
+            elif self.spec.proctrack == "cgroup":
+                self._proctrack = ("proctrack/cgroup", "asked for (LocalSlurmSpec.proctrack)")
+            else:
+                usable, why = cgroup_support()
+                self._proctrack = ("proctrack/cgroup" if usable else "proctrack/linuxproc", why)
+            log.info("local cluster %s: %s: %s", self.state_dir, *self._proctrack)
+        return self._proctrack
+
+    @property
+    def first_job_id(self) -> int:
+        """proctrack/cgroup names a job's cgroup after its node and id (slurm_n1/uid_0/job_N),
+        and every local cluster has nodes n1, n2...: so each cluster takes its own job ids,
+        JOB_IDS_PER_CLUSTER of them from ctld_port x JOB_IDS_PER_CLUSTER (below Slurm's
+        MaxJobId for any port), never those of another cluster on the machine."""
+        return self.spec.ctld_port * JOB_IDS_PER_CLUSTER + 1
 
     # -- paths and environment
     @property
@@ -285,8 +349,9 @@ class LocalSlurm:
             f"SlurmdPidFile={d}/slurmd-%n.pid",
             f"SlurmctldLogFile={d}/slurmctld.log",
             f"SlurmdLogFile={d}/slurmd-%n.log",
-            # several slurmds share one kernel: no cgroups, plain process-tree tracking
-            "ProctrackType=proctrack/linuxproc",
+            # proctrack/cgroup where the kernel allows it (cgroup.conf beside this file)
+            f"ProctrackType={self.proctrack()[0]}",
+            f"FirstJobId={self.first_job_id}",
             "TaskPlugin=task/none",
             "MpiDefault=none",
             "JobAcctGatherType=jobacct_gather/none",
@@ -345,7 +410,9 @@ class LocalSlurm:
                 f.touch(exist_ok=True)
         slurm_conf, gres_conf = self.render_config()
         changed = False
-        for path, text in ((self.conf_path, slurm_conf), (self.gres_conf_path, gres_conf)):
+        files = [(self.conf_path, slurm_conf), (self.gres_conf_path, gres_conf)]
+        files.append((self.state_dir / "cgroup.conf", CGROUP_CONF))
+        for path, text in files:
             try:
                 same = path.read_text() == text
             except OSError:
@@ -414,20 +481,48 @@ class LocalSlurm:
                 found.add(pid)
         return found
 
+    def _our_cgroup_processes(self) -> set[int]:
+        """Live processes in a job cgroup of this cluster (proctrack/cgroup): its node names
+        and a job id of its range. Whatever they did (renamed themselves, blanked their
+        environment, left the session, lost their parent), they cannot leave it."""
+        first = self.first_job_id
+        nodes = tuple(f"/slurm_{node}/" for node in self.node_names)
+        found = set()
+        for pid in _all_pids():
+            text = (_read_proc(pid, "cgroup") or b"").decode(errors="replace")
+            for line in text.splitlines():
+                path = line.split(":", 2)[-1] + "/"
+                if not any(node in path for node in nodes) or "/job_" not in path:
+                    continue
+                job = path.split("/job_", 1)[1].split("/", 1)[0]
+                if job.isdigit() and first <= int(job) < first + JOB_IDS_PER_CLUSTER:
+                    if pid != os.getpid() and pid_alive(pid):
+                        found.add(pid)
+                    break
+        return found
+
     def _kill_strays(self, deadline: float) -> set[int]:
         """What the scans in stop() missed: a job launched as the daemons stopped (its stepd
         not started yet when they looked), or a job process whose stepd lost track of it
         (proctrack/linuxproc follows parent links). Killed until none is left; those that
         survive SIGKILL until `deadline` are returned."""
-        strays = self._our_daemon_pids() | self._our_stepds() | self._our_job_processes()
+        strays = self._strays()
         while strays and time.monotonic() < deadline:
             tree = strays | _descendants(strays)
             log.warning("killing stray processes of %s: %s", self.state_dir, sorted(tree))
             _signal(tree, signal.SIGKILL)
             if _wait_gone(tree, deadline):
                 break
-            strays = self._our_daemon_pids() | self._our_stepds() | self._our_job_processes()
+            strays = self._strays()
         return {p for p in strays if pid_alive(p)}
+
+    def _strays(self) -> set[int]:
+        return (
+            self._our_daemon_pids()
+            | self._our_stepds()
+            | self._our_job_processes()
+            | self._our_cgroup_processes()
+        )
 
     def is_running(self) -> bool:
         """True when slurmctld and every slurmd of this cluster are alive."""
@@ -539,13 +634,33 @@ class LocalSlurm:
             self.stop()
         try:
             self._start_daemons(deadline)
-        except BaseException:
+        except BaseException as exc:
             # a half-started cluster is useless: leave nothing running (the logs stay)
             try:
                 self.stop()
-            except LocalSlurmError as exc:
-                log.warning("cleanup after the failed start: %s", exc)
-            raise
+            except LocalSlurmError as stop_exc:
+                log.warning("cleanup after the failed start: %s", stop_exc)
+            if not (
+                isinstance(exc, LocalSlurmError)
+                and self.spec.proctrack == "auto"
+                and self.proctrack()[0] == "proctrack/cgroup"
+            ):
+                raise
+            first_line = str(exc).splitlines()[0]
+            self._proctrack = (
+                "proctrack/linuxproc",
+                f"the daemons did not start with proctrack/cgroup ({first_line})",
+            )
+            log.warning("local cluster %s: %s: %s", self.state_dir, *self._proctrack)
+            self._write_config()
+            try:
+                self._start_daemons(max(deadline, time.monotonic() + timeout / 2))
+            except BaseException:
+                try:
+                    self.stop()
+                except LocalSlurmError as stop_exc:
+                    log.warning("cleanup after the failed start: %s", stop_exc)
+                raise
 
     def _ports(self) -> list[tuple[int, str]]:
         """(port, daemon) pairs: slurmctld on ctld_port, slurmd ni on ctld_port + i."""
@@ -745,8 +860,14 @@ class LocalSlurm:
         ids = [line.strip() for line in res.stdout.splitlines() if line.strip()]
         if ids:
             self._client([_which("scancel") or "scancel", *ids])
-        # wait for the job steps to end (SIGTERM, then SIGKILL after KillWait)
+        # wait for the job steps to end (SIGTERM, then SIGKILL after KillWait), and for
+        # slurmctld to hear of it (a job still COMPLETING is restored so at the next start)
         while self._our_stepds() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while ids and time.monotonic() < deadline:
+            res = self._client([_which("squeue") or "squeue", "-h", "-o", "%i"])
+            if res.returncode != 0 or not res.stdout.strip():
+                break
             time.sleep(0.1)
 
 

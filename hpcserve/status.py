@@ -69,7 +69,7 @@ def collect_status(config: PlatformConfig) -> dict[str, Any]:
     except Exception as err:  # report it; a status command must not crash on a Slurm hiccup
         status["errors"].append(f"slurm: {err}")
     try:
-        replicas = list_replicas(config.router.gateways_dial())
+        replicas = list_replicas(config.router.gateways_dial(), curve_dir=config.router.curve_dir)
         status["replicas"] = [
             {
                 "replica_id": r.replica_id,
@@ -129,6 +129,10 @@ def pool_row(
                 "backlog",
             )
         }
+    if reported is not None and reported.autoscale is not None:
+        auto = reported.autoscale
+        row["autoscale"] = f"{auto.min}..{auto.max}, target {auto.target}"
+        row["autoscale_detail"] = msgspec.structs.asdict(auto)
     if pool.max_replicas:
         backlog = row.get("backlog")
         row["elastic"] = f"{pool.replicas}..{pool.max_replicas}" + (
@@ -149,11 +153,20 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
 
 def format_status(status: dict[str, Any]) -> str:
     elastic = ["elastic"] if any("elastic" in row for row in status["pools"]) else []
+    scaled = ["autoscale"] if any("autoscale" in row for row in status["pools"]) else []
     lines = _table(
         status["pools"],
-        ["pool", "model", "role", "desired", "jobs", "serving", "admin", *elastic, "failures",
-         "last_failure"],
+        ["pool", "model", "role", "desired", "jobs", "serving", "admin", *elastic, *scaled,
+         "failures", "last_failure"],
     )  # fmt: skip
+    for row in status["pools"]:
+        if "autoscale_detail" in row:
+            auto = row["autoscale_detail"]
+            lines += [
+                f"  {row['pool']}: {auto['signals']}",
+                f"    last change: {auto['last_reason'] or '-'}",
+                f"    now: {auto['now']}",
+            ]
     if status["jobs"]:
         lines += [
             "",

@@ -64,13 +64,41 @@ CHAT_SPECIAL_TOKENS = [BOS, EOS_TEXT, START_HEADER, END_HEADER, EOT]
 # BERT special tokens, in id order (ids 0..4).
 BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
-# The Llama-3 Instruct chat template.
+# The Llama-3 Instruct chat template, with Hermes-style tool calling (vLLM's "hermes"
+# tool-call parser reads it): with `tools`, a system turn lists them and asks for
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks; an assistant turn's tool
+# calls are written back that way, a tool result inside <tool_response>. Without tools the
+# prompt is the plain Llama-3 one.
 LLAMA3_CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ bos_token + '<|start_header_id|>system<|end_header_id|>\n\n# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}"
+    "{% set fn = tool['function'] %}"
+    "{{ '\n' + {'type': 'function', 'function': {'name': fn['name'],"
+    " 'description': fn['description'] or '', 'parameters': fn['parameters'] or {}}} | tojson }}"
+    "{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|eot_id|>\' }}'
+    "{% endif %}"
     "{% set loop_messages = messages %}"
     "{% for message in loop_messages %}"
+    "{% set ns = namespace(text=(message['content'] or '') | trim) %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set args = call['function']['arguments'] %}"
+    "{% set args = args if args is string else args | tojson %}"
+    "{% set ns.text = ns.text + ('\n' if ns.text else '') + '<tool_call>\n{\"name\": '"
+    " + call['function']['name'] | tojson + ', \"arguments\": ' + args + '}\n</tool_call>' %}"
+    "{% endfor %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% set ns.text = '<tool_response>\n' + ns.text + '\n</tool_response>' %}"
+    "{% endif %}"
     "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
-    " + message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    " + ns.text + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 and not tools %}{% set content = bos_token + content %}{% endif %}"
     "{{ content }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}"
@@ -280,9 +308,9 @@ def _train_bert_tokenizer(vocab_size: int, size: str) -> Tokenizer:
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", continuing_subword_prefix="##"))
     _bert_pipeline(tok)
     tok.add_special_tokens(list(BERT_SPECIAL_TOKENS))
-    tok.post_processor = processors.BertProcessing(
-        ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
-    )
+    sep, cls = tok.token_to_id("[SEP]"), tok.token_to_id("[CLS]")
+    assert sep is not None and cls is not None  # added just above
+    tok.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
     return tok
 
 

@@ -177,10 +177,10 @@ def hash_file(
                     progress.advance(n)
         return hasher.hexdigest()
     buf = bytearray(chunk_bytes)
-    view = memoryview(buf)
+    chunk = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            hasher.update(view[:n])
+            hasher.update(chunk[:n])
             if progress is not None:
                 progress.advance(n)
     return hasher.hexdigest()

@@ -18,10 +18,11 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
+from hpcserve.contracts.private_files import private_file
 from hpcserve.modelcache.manifest import Manifest, decode_manifest
 from hpcserve.modelcache.refs import Ref, check_name, parse_ref
 
@@ -167,6 +168,8 @@ class Registry:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
+        # Owner-only (its rollback journal takes the file's mode): contracts/private_files.py.
+        private_file(self.path)
         self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
         self._db.execute("PRAGMA foreign_keys = ON")
         self._init_schema()
@@ -249,6 +252,7 @@ class Registry:
             current = self.alias(alias)
             new = self._require_version(ref)
             if share == 100:
+                row: tuple[str, int | None, str | None, int | None, int]
                 row = (new.name, new.version, None, None, 0)
             elif share == 0:
                 if current.canary != str(new):
@@ -325,7 +329,7 @@ class Registry:
         return decode_manifest(data)
 
     def versions(self, model: str | None = None) -> list[ModelVersion]:
-        sql, args = "SELECT * FROM versions", ()
+        sql, args = "SELECT * FROM versions", cast(tuple[str, ...], ())
         if model is not None:
             sql, args = sql + " WHERE model = ?", (model,)
         rows = self._db.execute(sql + " ORDER BY model, version", args).fetchall()

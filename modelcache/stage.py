@@ -109,9 +109,10 @@ def _usable_hit(
         return False
     record = cache.read_record(key)
     if record is None or record.manifest != manifest:
-        problems = ["its record is missing or describes other bytes"]
+        problems: list[object] = ["its record is missing or describes other bytes"]
     else:
-        problems = verify(manifest, path, sizes_only=not full, workers=workers, progress=progress)
+        mismatches = verify(manifest, path, sizes_only=not full, workers=workers, progress=progress)
+        problems = [*mismatches]
     if problems:
         log.error("cache entry %s is corrupt (%s); staging it again", key, problems[0])
         cache.discard_locked(key)

@@ -13,6 +13,7 @@ one, the others keep running. `hpcserve scale` writes overrides the next poll pi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -22,10 +23,17 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import ConfigError, PlatformConfig, PoolConfig, load_config
+from hpcserve.contracts.engine_token import EngineTokenError, ensure_token
+from hpcserve.contracts.private_files import private_dir
 from hpcserve.contracts.protocol import ReplicaInfo
-from hpcserve.contracts.router_client import RouterQueryError, list_replicas
+from hpcserve.contracts.router_client import (
+    RouterQueryError,
+    list_health_events,
+    list_replicas,
+)
 from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.modelcache.registry import RegistryError
+from hpcserve.poolmgr.autoscale_pools import AutoscaledPools
 from hpcserve.poolmgr.batch_pools import BatchPools, is_elastic
 from hpcserve.poolmgr.failures import FailureTracker
 from hpcserve.poolmgr.job_states import JobStates, Transition
@@ -43,6 +51,7 @@ from hpcserve.poolmgr.reconcile import (
 )
 from hpcserve.poolmgr.registry_usage import RegistryUsage
 from hpcserve.poolmgr.render import render
+from hpcserve.poolmgr.scrape_targets import ScrapeTargetsFile
 from hpcserve.poolmgr.spec import (
     build_job_spec,
     job_log_dir,
@@ -50,7 +59,13 @@ from hpcserve.poolmgr.spec import (
     pool_spec_digest,
     resolve_model,
 )
-from hpcserve.poolmgr.state_files import PoolMgrStatus, PoolStatus, read_overrides, write_status
+from hpcserve.poolmgr.state_files import (
+    AutoscaleStatus,
+    PoolMgrStatus,
+    PoolStatus,
+    read_overrides,
+    write_status,
+)
 from hpcserve.slurm.client import SlurmClient, SlurmError
 from hpcserve.slurm.parse import JobState, SlurmNode
 
@@ -109,17 +124,22 @@ class PoolManager:
         self.failures = FailureTracker(config.poolmgr.healthy_after_s)
         registry = metrics_registry or CollectorRegistry()
         self.metrics = PoolMgrMetrics(registry)
-        self.node_health = NodeHealthActions(slurm, registry)
+        fetch = functools.partial(list_health_events, curve_dir=config.router.curve_dir)
+        self.node_health = NodeHealthActions(slurm, registry, fetch=fetch)
         self.batch_pools = BatchPools(registry)
+        self.autoscaled = AutoscaledPools(registry)
         self._clock = clock
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._router_endpoint = router_endpoint
         self._replicas: list[ReplicaInfo] = []
+        self._replicas_fresh = False  # the last ListReplicas answered (autoscaling needs it)
         self._nodes: list[SlurmNode] = []
         self.cache_inventory = CacheInventory()
         self.pin_watch = PinWatch(config.poolmgr.pin_wait_s)
         self.registry_usage = RegistryUsage(config.registry_path())
+        targets_file = config.poolmgr.scrape_targets_file
+        self.scrape_targets = ScrapeTargetsFile(Path(targets_file)) if targets_file else None
         self.job_states = JobStates()
         self.last_observation: Observation | None = None
 
@@ -131,8 +151,9 @@ class PoolManager:
     def prefix(self) -> str:
         return self.config.poolmgr.job_name_prefix
 
-    def desired(self) -> dict[str, int]:
-        overrides = read_overrides(self.state_dir)
+    def desired(self, overrides: dict[str, int] | None = None) -> dict[str, int]:
+        if overrides is None:
+            overrides = read_overrides(self.state_dir)
         return {pool.name: overrides.get(pool.name, pool.replicas) for pool in self.config.pools}
 
     def timing(self) -> Timing:
@@ -151,11 +172,18 @@ class PoolManager:
         if endpoint is None:
             return []
         try:
-            self._replicas = list_replicas(endpoint or self.config.router.gateways_dial())
+            self._replicas = list_replicas(
+                endpoint or self.config.router.gateways_dial(),
+                curve_dir=self.config.router.curve_dir,
+            )
             for replica in self._replicas:
                 self.cache_inventory.report(replica.node, replica.cached)
             self.registry_usage.sync(self._replicas)
+            if self.scrape_targets is not None:
+                self.scrape_targets.update(self._replicas)
+            self._replicas_fresh = True
         except RouterQueryError as err:
+            self._replicas_fresh = False
             log.warning("router unavailable, using the last known replicas: %s", err)
         return self._replicas
 
@@ -220,8 +248,15 @@ class PoolManager:
             return None
         now = self._clock()
         observation = self._retire_stranded_pins(observation, now)
+        overrides = read_overrides(self.state_dir)
+        # Autoscaled interactive pools: their target from their load (poolmgr/autoscale.py).
+        desired = self.autoscaled.resize(
+            self.config, self.desired(overrides), overrides, observation.jobs,
+            self.memory.draining_since, self._replicas if self._replicas_fresh else None,
+            observation.admin_serving, now,
+        )  # fmt: skip
         desired = self.batch_pools.resize(
-            self.config, self.desired(), observation.jobs, self.memory.draining_since,
+            self.config, desired, observation.jobs, self.memory.draining_since,
             self._nodes, now,
         )  # fmt: skip
         for name, want in desired.items():
@@ -318,6 +353,7 @@ class PoolManager:
                 next_submit_in_s=round(max(next_at - now, 0), 1) if next_at else None,
                 role=pool.role, max_replicas=pool.max_replicas,
                 backlog=self.batch_pools.pool_backlog.get(pool.name) if is_elastic(pool) else None,
+                autoscale=self._autoscale_status(pool.name),
             ))  # fmt: skip
         status = PoolMgrStatus(updated_at=now, pools=pools, unmanaged_pools=plan.unmanaged_pools)
         try:
@@ -325,11 +361,32 @@ class PoolManager:
         except OSError as err:
             log.warning("cannot write the status file in %s: %s", self.state_dir, err)
 
+    def _autoscale_status(self, pool: str) -> AutoscaleStatus | None:
+        decision = self.autoscaled.decisions.get(pool)
+        signals = self.autoscaled.signals.get(pool)
+        auto = self.config.pool(pool).autoscale
+        if decision is None or signals is None or auto is None:
+            return None
+        return AutoscaleStatus(
+            target=decision.target,
+            min=auto.min,
+            max=auto.max,
+            signals=signals.summary(),
+            last_reason=decision.state.last_reason,
+            now=decision.reason,
+        )
+
     # -- acting ------------------------------------------------------------------------------
 
     def _submit(self, pool: PoolConfig, count: int, now: float) -> None:
         self.memory.last_submit[pool.name] = now
-        job_log_dir(self.config).mkdir(parents=True, exist_ok=True)
+        try:
+            # Job output (vLLM's log) owner-only; the engines' token made if none is there yet.
+            private_dir(job_log_dir(self.config))
+            ensure_token(self.config.engine_token_path())
+        except (OSError, EngineTokenError) as err:
+            log.error("pool %s: cannot prepare the job's files: %s", pool.name, err)
+            return
         try:
             model = resolve_model(self.config, pool)
         except (RegistryError, OSError) as err:
@@ -408,6 +465,8 @@ class PoolManager:
         self._stop.set()
 
     def run_forever(self) -> None:
+        private_dir(self.state_dir)
+        ensure_token(self.config.engine_token_path())
         log.info(
             "pool manager started: %s",
             ", ".join(f"{p.name}={p.replicas}" for p in self.config.pools) or "no pools",

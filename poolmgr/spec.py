@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 
 from hpcserve.config import HealthConfig, PlatformConfig, PoolConfig
-from hpcserve.contracts.engine_args import scheduling_args
+from hpcserve.contracts.engine_args import scheduling_args, tool_call_args
+from hpcserve.contracts.engine_token import FILE_ENV
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.render import JobSpec
 from hpcserve.poolmgr.state_files import write_atomic
@@ -189,9 +190,17 @@ def build_job_spec(
             *model.engine_args,
             *pool.engine_args,
             *scheduling_args(pool.scheduling_policy, (*model.engine_args, *pool.engine_args)),
+            # After the registry version's arguments: the pool's parser wins over the version's.
+            *tool_call_args(pool.tool_call_parser),
         ),
-        env=_job_env(pool, model) + _health_env(config) + _curve_env(config),
+        env=_job_env(pool, model) + _health_env(config) + _curve_env(config) + _token_env(config),
     )
+
+
+def _token_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
+    """Where the engine reads the engine token (the path: the secret never enters the job's
+    script or environment, which Slurm shows)."""
+    return ((FILE_ENV, config.engine_token_path()),)
 
 
 def _curve_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:

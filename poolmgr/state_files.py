@@ -16,6 +16,17 @@ STATUS_FILE = "poolmgr-status.json"
 OVERRIDES_FILE = "pool-overrides.json"
 
 
+class AutoscaleStatus(msgspec.Struct, frozen=True):
+    """An autoscaled pool's state (poolmgr/autoscale.py), for `hpcserve status`."""
+
+    target: int
+    min: int
+    max: int
+    signals: str  # "2 serving, 1 starting; 19 in flight, 9 waiting, KV 40%"
+    last_reason: str  # the last change: "up 2->4: 9.0 waiting per replica > 2 for 10 s"
+    now: str  # this poll's decision: the change, or why it holds
+
+
 class PoolStatus(msgspec.Struct, frozen=True):
     pool: str
     model: str
@@ -32,6 +43,7 @@ class PoolStatus(msgspec.Struct, frozen=True):
     role: str = "interactive"
     max_replicas: int = 0  # an elastic batch pool's ceiling; 0: a fixed size
     backlog: int | None = None  # an elastic batch pool's Batch API backlog (requests)
+    autoscale: AutoscaleStatus | None = None  # an autoscaled pool's target and reasons
 
 
 class PoolMgrStatus(msgspec.Struct, frozen=True):

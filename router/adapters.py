@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hpcserve.contracts import protocol as p
 from hpcserve.router.policies.pool_roles import role_replicas
@@ -69,7 +70,7 @@ class AdapterCatalog(RegistryCatalog[AdapterSource]):
     what = "LoRA adapters"
 
     @classmethod
-    def from_registry(cls, path: str, **kwargs: float) -> AdapterCatalog:
+    def from_registry(cls, path: str, **kwargs: Any) -> AdapterCatalog:
         def read() -> list[AdapterSource]:
             from hpcserve.modelcache.registry import Registry
 

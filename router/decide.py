@@ -88,12 +88,14 @@ class Decider:
     def replica_added(self, replica: Replica) -> None:
         self._bind_slot(self.index.slot(replica.replica_id))
         spec = replica.spec
-        if self.subscriber is not None and self.config.kv_events and spec.kv_events_endpoint:
+        publishes = spec.kv_events_endpoint or spec.kv_events_relayed
+        if self.subscriber is not None and self.config.kv_events and publishes:
             self.subscriber.watch(
                 spec.replica_id,
                 spec.kv_events_endpoint,
                 spec.kv_replay_endpoint,
                 spec.kv_events_topic or spec.replica_id,
+                relayed=spec.kv_events_relayed,
             )
 
     def _bind_slot(self, slot: int) -> Replica | None:

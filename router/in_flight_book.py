@@ -36,7 +36,7 @@ class InFlightBook:
         release)."""
         replicas = self._by_peer.get(peer)
         models = replicas.get(replica_id) if replicas else None
-        if not models:
+        if not models or replicas is None:
             return None
         if model not in models:
             model = next(iter(models))
@@ -46,7 +46,7 @@ class InFlightBook:
         else:
             del models[model]
             if not models:
-                del replicas[replica_id]  # type: ignore[index]
+                del replicas[replica_id]
         return model
 
     def dropped(self, peer: bytes) -> list[tuple[str, str]]:

@@ -44,7 +44,7 @@ class PrefixIndex:
         self._slot_of: dict[str, int] = {}
         self._ids: list[str | None] = []
         self._bits: list[int] = []
-        self._engine: list[dict[int, int]] = []
+        self._engine: list[dict[bytes | int, int]] = []  # the engine's opaque hash -> ours
         self._block_size: list[int] = []
         # Per slot, blocks the router put there itself (a routed prompt's blocks: approx_index.py)
         # that no BlockStored has confirmed: our hash -> when it expires. Oldest first.
@@ -117,15 +117,17 @@ class PrefixIndex:
         if parent is None:
             h = chain_seed(event.lora_name) if event.lora_name else _BASE_SEED
         else:
-            h = engine.get(parent)
-            if h is None:
+            parent_hash = engine.get(parent)
+            if parent_hash is None:
                 self.orphans += 1
                 return
+            h = parent_hash
         tokens = event.token_ids
         hashes = event.block_hashes
         bit = self._bits[slot]
         n = len(hashes)
-        raw = type(tokens) is msgspec.Raw  # kv_wire.decode_batch_raw_tokens's events
+        # kv_wire.decode_batch_raw_tokens's events carry the tokens undecoded
+        raw = type(tokens) is msgspec.Raw  # type: ignore[comparison-overlap]
         size = event.block_size
         if not size and n:
             size = (msgpack_array_length(tokens) if raw else len(tokens)) // n

@@ -1,10 +1,14 @@
-"""The router process: the registry socket for engines, the routing socket for gateways.
+"""The router process: the registry and KV relay sockets for engines, the routing socket
+for gateways.
 
-Both are ZeroMQ ROUTER sockets the router binds (it is the stable side); engines
-and gateways connect DEALERs. One thread owns both sockets and polls them with a
-timeout, so lease expiry runs even when no message arrives. The registry socket is
-libzmq's (CURVE); the routing socket speaks ZMTP on plain sockets in the same poll
+All are ZeroMQ ROUTER sockets the router binds (it is the stable side); engines' agents
+and gateways connect DEALERs. One thread owns the sockets and polls them with a timeout,
+so lease expiry runs even when no message arrives. The registry and KV relay sockets are
+libzmq's; the routing socket speaks ZMTP on plain sockets in the same poll
 (contracts/zmtp.py: no libzmq I/O thread between a gateway's Route and the decision).
+With `router.curve_dir` every one of them is CURVE: the registry and KV relay sockets admit
+the engine key, the routing socket the gateway key (contracts/zmtp_curve.py); without it
+each is plain, and refused on a non-loopback bind unless `router.allow_plain_remote`.
 """
 
 from __future__ import annotations
@@ -12,20 +16,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from zmq.auth.thread import ThreadAuthenticator
 
 from hpcserve.config import RouterConfig
 from hpcserve.contracts import protocol as p
-from hpcserve.contracts.curve import check_plain_bind, make_server, start_authenticator
+from hpcserve.contracts.curve import (
+    CurveError,
+    check_plain_bind,
+    make_server,
+    start_authenticator,
+)
 from hpcserve.contracts.health_policy import severity, worst_action
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
 from hpcserve.contracts.zmtp import ZmtpRouter
+from hpcserve.contracts.zmtp_curve import routing_server_keys
 from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.decide import Decider
@@ -89,6 +101,22 @@ class RouterMetrics:
         )
 
 
+class _RefusedConnections(Collector):
+    """Routing connections that ended before their CURVE handshake did (no key, a wrong
+    one, or plain), read from the socket at scrape time."""
+
+    def __init__(self, server: RouterServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        routing = self.server._routing
+        yield CounterMetricFamily(
+            "hpcserve_router_routing_refused",
+            "Routing connections refused at the CURVE handshake",
+            value=routing.refused if routing is not None else 0,
+        )
+
+
 class RouterServer:
     def __init__(
         self,
@@ -112,6 +140,7 @@ class RouterServer:
         self.health_log = HealthEventLog()
         prom = metrics_registry or CollectorRegistry()
         self.metrics = RouterMetrics(prom)
+        prom.register(_RefusedConnections(self))
         self._clock = clock
         self._ctx = context or zmq.Context.instance()
         # KV-cache-aware routing (router/decide.py); the subscriber's sockets join the loop.
@@ -148,25 +177,43 @@ class RouterServer:
         self._auth: ThreadAuthenticator | None = None
         self.ready = threading.Event()
         self._published_models: set[str] = set()
+        # What engines' agents dial to relay KV events (told in RegistryAck; "": none).
+        self.kv_relay = ""
 
     def bind(self) -> None:
-        # CURVE on the registry socket (contracts/curve.py); plain only on loopback unless allowed.
-        curve_dir = self.config.curve_dir
-        check_plain_bind(self.config.registry_bind, curve_dir, self.config.allow_plain_remote)
-        if curve_dir:
-            self._auth = start_authenticator(self._ctx, Path(curve_dir))
+        # CURVE on every socket (contracts/curve.py); plain only on loopback unless allowed.
+        config = self.config
+        curve_dir = config.curve_dir
+        relay_bind = config.kv_relay_binds()
         try:
-            self._registry_sock = self._bind(self.config.registry_bind, curve_dir)
+            for endpoint, setting, what in (
+                (config.registry_bind, "router.registry_bind", "the registry"),
+                (config.routing_bind, "router.routing_bind", "the routing socket"),
+                (relay_bind, "router.kv_relay_bind", "the KV relay socket"),
+            ):
+                check_plain_bind(endpoint, curve_dir, config.allow_plain_remote, setting, what)
+            routing_keys = routing_server_keys(curve_dir)
+            if routing_keys is not None and self._routing_socket != "zmtp":
+                raise CurveError("the libzmq routing socket (a benchmark's) has no CURVE")
+            if curve_dir:
+                self._auth = start_authenticator(self._ctx, Path(curve_dir))
+            self._registry_sock = self._bind(config.registry_bind, curve_dir)
+            if config.routing.kv_events:
+                bound = self.kv_events.bind_relay(relay_bind, curve_dir)
+                self.kv_relay = config.kv_relay_dial(bound)
             if self._routing_socket == "zmtp":
                 try:
                     self._routing = ZmtpRouter(
-                        self.config.routing_bind, self._poller, on_drop=self._connection_gone
+                        config.routing_bind,
+                        self._poller,
+                        on_drop=self._connection_gone,
+                        curve=routing_keys,
                     )
                 except ValueError as err:
                     raise RuntimeError(str(err)) from None
                 self._routing.bind()
             else:
-                self._routing_sock = self._bind(self.config.routing_bind)
+                self._routing_sock = self._bind(config.routing_bind)
         except RuntimeError:
             # Nothing of this server stays open when it cannot start (a caller may retry).
             if self._registry_sock is not None:
@@ -177,10 +224,18 @@ class RouterServer:
             if self._auth is not None:
                 self._auth.stop()
             raise
+        if not curve_dir:
+            log.warning(
+                "router.curve_dir is not set: every socket is plain, so any user of this host "
+                "can register replicas, route and read the replica list (run `hpcserve keys` "
+                "and set router.curve_dir on a host others log in to)"
+            )
         log.info(
-            "router listening: registry %s, routing %s",
-            self.config.registry_bind,
-            self.config.routing_bind,
+            "router listening: registry %s, routing %s, KV relay %s (%s)",
+            config.registry_bind,
+            config.routing_bind,
+            self.kv_events.relay_endpoint or "off",
+            "CURVE" if curve_dir else "plain",
         )
 
     def _bind(self, endpoint: str, curve_dir: str = "") -> zmq.Socket:
@@ -209,6 +264,9 @@ class RouterServer:
         if self._routing_sock is not None:
             poller.register(self._routing_sock, zmq.POLLIN)
         poller.register(self.kv_events.sub, zmq.POLLIN)
+        relay = self.kv_events.relay
+        if relay is not None:
+            poller.register(relay, zmq.POLLIN)
         tick_s = min(self.config.lease_s / 4, 0.5)
         # Leases, KV-stream timers and gauges need not run on every message: at most this often.
         housekeeping_s = min(tick_s, 0.05)
@@ -220,13 +278,15 @@ class RouterServer:
                 events = dict(poller.poll(10 if replays else int(tick_s * 1000)))
                 if self.kv_events.sub in events:
                     self.kv_events.drain()
+                if relay is not None and relay in events:
+                    self.kv_events.drain_relay()
                 for replay in replays:
                     self.kv_events.on_replay(replay)
                 if self._registry_sock in events:
                     self._drain(self._registry_sock, self._on_registry)
                 if self._routing is not None:
                     self._serve_routing(self._routing, events)
-                elif self._routing_sock in events:
+                elif self._routing_sock is not None and self._routing_sock in events:
                     self._drain_routing(self._routing_sock)
                 now = self._clock()
                 if now >= next_housekeeping or replays:
@@ -305,12 +365,12 @@ class RouterServer:
                 self.metrics.registry_messages.labels("register").inc()
                 self.registry.register(msg, now)
                 self.adapters.on_register(msg, peer)
-                reply = p.RegistryAck(msg.replica_id, self.config.lease_s)
+                reply = p.RegistryAck(msg.replica_id, self.config.lease_s, self.kv_relay)
             case p.Heartbeat():
                 self.metrics.registry_messages.labels("heartbeat").inc()
                 if self.registry.heartbeat(msg.replica_id, msg.load, now):
                     self.adapters.on_heartbeat(msg, peer)
-                    reply = p.RegistryAck(msg.replica_id, self.config.lease_s)
+                    reply = p.RegistryAck(msg.replica_id, self.config.lease_s, self.kv_relay)
                 else:
                     reply = p.ReRegister(msg.replica_id)
             case p.Deregister():
@@ -461,7 +521,8 @@ class RouterServer:
             candidates = [r for r in candidates if r.replica_id not in msg.exclude]
         if msg.queue_budget_s > 0 and candidates:
             self.registry.track_service = True
-            candidates, wait_s = within_budget(candidates, msg.queue_budget_s)
+            within, wait_s = within_budget(candidates, msg.queue_budget_s)
+            candidates = list(within)
             if not candidates:
                 self.metrics.routes.labels(OVER_QUEUE_BUDGET).inc()
                 return p.RouteReply(

@@ -9,7 +9,7 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 say() { echo "[bootstrap] $*"; }
 
-debs=(slurmctld slurmd slurm-client munge)
+debs=(slurmctld slurmd slurm-client munge prometheus)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -211,7 +211,7 @@ class SimFleet:
         )
         thread.start()
         # uvicorn's own signal handling would exit before the replicas deregister.
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: self.request_stop())
         asyncio.run(server.serve(sockets=[r.sock for r in self.replicas]))

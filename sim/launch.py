@@ -15,12 +15,15 @@ can be tested without vLLM.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
+from typing import Any
 
 import uvicorn
 
+from hpcserve.contracts.engine_token import TOKEN_ENV, EngineTokenGuard
 from hpcserve.sim.options import OptionsError, add_arguments, sim_config
 
 
@@ -64,8 +67,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     # uvicorn re-raises the SIGTERM it handled once it has drained; like vLLM, exit 0 instead.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    app: Any = build_app(engine)
+    if os.environ.get(TOKEN_ENV):  # as vLLM: the engine token guards it (hpcserve engine)
+        app = EngineTokenGuard(app)
     uvicorn.run(
-        build_app(engine),
+        app,
         host=args.host,
         port=args.port,
         log_level="warning",

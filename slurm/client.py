@@ -285,7 +285,7 @@ def make_slurm_client(
     if not prefer_pyslurm:
         return cli
     try:
-        import pyslurm  # type: ignore[import-not-found]
+        import pyslurm  # type: ignore[import-not-found,unused-ignore]
     except Exception as exc:  # ImportError, or a pyslurm whose libslurm does not load
         log.warning("pyslurm requested but not importable (%s); using the Slurm CLI", exc)
         return cli

@@ -186,7 +186,9 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
 
 def _split_top_level(text: str, whole: str) -> list[str]:
-    tokens, depth, cur = [], 0, []
+    tokens: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "[":
             depth += 1
@@ -220,7 +222,7 @@ def _expand_token(token: str, whole: str) -> list[str]:
     if any(c.isspace() for c in prefix):
         raise SlurmParseError(f"bad host name {token!r} in hostlist: {_snippet(whole)}")
     suffixes = _expand_token(rest, whole) if rest else [""]
-    out = []
+    out: list[str] = []
     for part in body.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if m is None:
@@ -432,11 +434,9 @@ def _parse_sinfo_entry(raw: object, index: int) -> list[SlurmNode]:
     names = nodes.get("nodes") if isinstance(nodes, Mapping) else None
     if not isinstance(names, list):
         raise SlurmParseError(f"sinfo entry #{index} has no node names: {_snippet(raw)}")
-    node = raw.get("node") if isinstance(raw.get("node"), Mapping) else {}
+    node, cpus = _object_at(raw, "node"), _object_at(raw, "cpus")
+    gres, partition = _object_at(raw, "gres"), _object_at(raw, "partition")
     state = node.get("state")
-    cpus = raw.get("cpus") if isinstance(raw.get("cpus"), Mapping) else {}
-    gres = raw.get("gres") if isinstance(raw.get("gres"), Mapping) else {}
-    partition = raw.get("partition") if isinstance(raw.get("partition"), Mapping) else {}
     total_nodes = max(len(names), 1)
     return [
         SlurmNode(
@@ -486,3 +486,9 @@ __all__ = [
     "parse_scontrol_show_node_json",
     "parse_squeue_json",
 ]
+
+
+def _object_at(raw: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """raw[key] when it is an object, else an empty one."""
+    value = raw.get(key)
+    return value if isinstance(value, Mapping) else {}

@@ -17,12 +17,19 @@ from hpcserve.config import RouterConfig, dump_config, parse_config
 from tests.ports import free_port
 
 
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    """Until `url`/health answers; fails at once if the process has exited."""
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout_s: float = 60,
+    *,
+    http: httpx.Client | None = None,
+) -> None:
+    """Until `url`/health answers; fails at once if the process has exited. `http`: the
+    client to ask with (e.g. one trusting a test certificate)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            httpx.get(url + "/health", timeout=1)
+            (http.get if http is not None else httpx.get)(url + "/health", timeout=1)
             return
         except httpx.TransportError:
             assert proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
@@ -100,3 +107,12 @@ def sim_engine_argv(port: int, model: str, decode_ms: float, *extra: str) -> lis
         sys.executable, "-m", "hpcserve.sim.launch", "--port", str(port),
         "--served-model-name", model, "--decode-ms-per-token", str(decode_ms), *extra,
     ]  # fmt: skip
+
+
+def metrics_headers(config_path: object) -> dict[str, str]:
+    """The Authorization header a gateway started with this config asks /metrics for."""
+    from hpcserve.config import load_config
+    from hpcserve.contracts.engine_token import read_token
+
+    token = read_token(load_config(Path(str(config_path))).metrics_token_path())
+    return {"Authorization": f"Bearer {token}"}

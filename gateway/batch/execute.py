@@ -16,6 +16,7 @@ import msgspec
 
 from hpcserve.gateway import errors
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
+from hpcserve.gateway.responses import batch_request, batch_response
 from hpcserve.gateway.routing_client import RouterUnavailable
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from hpcserve.gateway.routing_client import RoutingClient
 
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
+CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
 _payload = msgspec.json.Decoder(dict[str, Any])
 
 
@@ -113,6 +116,11 @@ class RoutedExecutor:
         interactive requests; tokenized in a thread, so the batch never stalls the event loop
         (in a gateway, the one interactive requests share)."""
         hints = self.hints
+        if path == RESPONSES:
+            try:
+                path, body = CHAT, batch_request(body)[1]
+            except errors.APIError:
+                return {}  # execute() answers it
         if hints is None or path not in _GENERATING or model not in hints:
             return {}
         return await asyncio.to_thread(hints.hints, model, _payload.decode(body), {})
@@ -128,6 +136,13 @@ class RoutedExecutor:
         hints: dict[str, Any],
     ) -> EngineReply:
         routing = self.routing
+        responses_request = None
+        if path == RESPONSES:  # run as a chat completion, answered as a Response object
+            try:
+                responses_request, body = batch_request(body)
+            except errors.APIError as err:  # checked at upload: only a changed rule gets here
+                return EngineReply(err.status, _error_body(err))
+            path = CHAT
         try:
             decision = await routing.route(model, priority="batch", exclude=exclude, **hints)
         except RouterUnavailable as err:
@@ -158,4 +173,10 @@ class RoutedExecutor:
                 f"the engine answered {response.status_code}: {bytes(response.body)[:200]!r}",
                 replica,
             )
-        return EngineReply(response.status_code, bytes(response.body), replica)
+        answer = bytes(response.body)
+        if responses_request is not None and response.status_code == 200:
+            try:
+                answer = batch_response(responses_request, answer)
+            except msgspec.DecodeError:
+                raise ReplicaFailed("the engine's answer is not JSON", replica) from None
+        return EngineReply(response.status_code, answer, replica)

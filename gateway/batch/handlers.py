@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from hpcserve.contracts.batch_backlog import FileSummary
+from hpcserve.contracts.private_files import private_opener
 from hpcserve.gateway import errors
 from hpcserve.gateway.batch.objects import batch_object, file_object, list_object
 from hpcserve.gateway.batch.service import BatchService
@@ -31,7 +33,6 @@ from hpcserve.gateway.batch.store import (
 )
 from hpcserve.gateway.batch.validate import (
     ENDPOINTS,
-    FileSummary,
     InvalidBatchFile,
     validate_batch_file,
 )
@@ -102,7 +103,7 @@ def _copy_and_validate(
             out.write(chunk)
             yield chunk
 
-    with open(temp_path, "wb") as out:
+    with open(temp_path, "wb", opener=private_opener) as out:
         return validate_batch_file(chunks(out), max_lines=max_lines)
 
 

@@ -37,7 +37,7 @@ PRESENT_FILE = "runner.present"
 
 def _try_flock(path: Path, kind: int) -> int | None:
     """An open fd holding the lock, or None when someone else holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, kind | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -29,6 +29,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter
 
 from hpcserve.config import PlatformConfig
+from hpcserve.contracts.engine_token import ensure_token
+from hpcserve.contracts.private_files import private_dir
+from hpcserve.contracts.zmtp_curve import routing_client_keys
 from hpcserve.gateway.batch.execute import RoutedExecutor
 from hpcserve.gateway.batch.lock import RunnerLock
 from hpcserve.gateway.batch.runner import BatchMetrics, BatchRunner
@@ -54,8 +57,13 @@ class RunnerProcess:
             timeout_s=gateway.route_timeout_s,
             view_refresh_s=gateway.replica_view_s,
             view_max_age_s=gateway.replica_view_max_age_s,
+            curve=routing_client_keys(config.router.curve_dir),
         )
-        self.relay = Relay(upstream_timeout_s=gateway.upstream_timeout_s)
+        private_dir(config.state_dir)
+        self.relay = Relay(
+            upstream_timeout_s=gateway.upstream_timeout_s,
+            engine_token=ensure_token(config.engine_token_path()),
+        )
         self.quota_id = f"batch-runner:{socket.gethostname()}:{os.getpid()}"
         self.quota = QuotaGate(self.quota_id, stale_after_s=max(5.0, 10 * gateway.quota_sync_s))
         self.quota_sync_failures = Counter(

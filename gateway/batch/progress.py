@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -87,7 +88,10 @@ def list_recent(root: Path, *, limit: int, tenant: str | None) -> list[BatchReco
         store.close()
 
 
-def add_batches_parser(sub: argparse._SubParsersAction, with_config) -> None:  # type: ignore[type-arg,no-untyped-def]
+def add_batches_parser(
+    sub: argparse._SubParsersAction,
+    with_config: Callable[[argparse.ArgumentParser], argparse.ArgumentParser],
+) -> None:
     p = with_config(sub.add_parser("batches", help="Batch API batches: counts, tokens/s, ETA"))
     p.add_argument("--tenant", default=None, help="only this tenant's batches")
     p.add_argument("--limit", type=int, default=20, help="newest N batches (default 20)")

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -97,6 +98,9 @@ class BatchMetrics:
 class _Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # a /v1/responses line's Response object counts them so
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 class _Reply(msgspec.Struct):
@@ -126,8 +130,8 @@ def result_of(number: int, custom_id: str, request_id: str, reply: EngineReply) 
         status_code=reply.status_code,
         request_id=request_id,
         body=body,
-        input_tokens=usage.prompt_tokens,
-        output_tokens=usage.completion_tokens,
+        input_tokens=usage.prompt_tokens or usage.input_tokens,
+        output_tokens=usage.completion_tokens or usage.output_tokens,
     )
 
 
@@ -199,11 +203,11 @@ class BatchJob:
             log.info("batch %s: stopping (%s)", self.record.id, reason)
         self._stopped.set()
 
-    async def _unless_stopped(self, wait: Callable[[], object]) -> None:
+    async def _unless_stopped(self, wait: Callable[[], Awaitable[object]]) -> None:
         """Await wait() unless the batch stops first (then raise _Stop)."""
         if self.reason is not None:
             raise _Stop
-        waiter = asyncio.ensure_future(wait())  # type: ignore[arg-type]
+        waiter = asyncio.ensure_future(wait())
         stopped = asyncio.ensure_future(self._stopped.wait())
         try:
             await asyncio.wait((waiter, stopped), return_when=asyncio.FIRST_COMPLETED)
@@ -285,7 +289,7 @@ class BatchJob:
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
-    async def _pending_lines(self, done: set[int]) -> AsyncIterator[tuple[int, _Line]]:
+    async def _pending_lines(self, done: set[int]) -> AsyncGenerator[tuple[int, _Line]]:
         lines = self.runner.store.input_lines(self.record.input_file_id)
         chunk = 256
 
@@ -357,7 +361,7 @@ class BatchJob:
                     )
                     exclude = [err.replica_id] if err.replica_id else []
                     delay = runner.config.retry_backoff_s * 2 ** (attempts - 1)
-                    await self._unless_stopped(lambda d=delay: asyncio.sleep(d))
+                    await self._unless_stopped(functools.partial(asyncio.sleep, delay))
             runner.batch_tokens.charge(
                 self.record.tenant, result.input_tokens + result.output_tokens
             )

@@ -19,13 +19,15 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import msgspec
 
-from hpcserve.gateway.batch.validate import FileSummary, split_lines
+from hpcserve.contracts.batch_backlog import FileSummary
+from hpcserve.contracts.private_files import private_dir, private_file, private_opener
+from hpcserve.gateway.batch.validate import split_lines
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
@@ -186,10 +188,12 @@ class BatchStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.files_dir = root / "files"
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+        # Tenants' requests and results: owner-only (contracts/private_files.py).
+        private_dir(root)
+        private_dir(self.files_dir)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(
-            root / "batch.sqlite3", check_same_thread=False, isolation_level=None
+            private_file(root / "batch.sqlite3"), check_same_thread=False, isolation_level=None
         )
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
@@ -318,7 +322,7 @@ class BatchStore:
         limit: int = 10_000,
         newest_first: bool = True,
     ) -> Page:
-        filters = {"tenant": tenant, "purpose": purpose or None}
+        filters: dict[str, object] = {"tenant": tenant, "purpose": purpose or None}
         rows = self._page("files", _FILE_FIELDS, filters, after, limit, newest_first)
         return Page([self._file_from_row(r) for r in rows[:limit]], has_more=len(rows) > limit)
 
@@ -338,7 +342,7 @@ class BatchStore:
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
         self.path_of(file_id).unlink(missing_ok=True)
 
-    def input_lines(self, file_id: str) -> Iterator[tuple[int, bytes]]:
+    def input_lines(self, file_id: str) -> Generator[tuple[int, bytes]]:
         with open(self.path_of(file_id), "rb") as f:
             yield from split_lines(iter(lambda: f.read(1 << 20), b""))
 
@@ -512,7 +516,10 @@ class BatchStore:
         out_temp, err_temp = self.temp_path(), self.temp_path()
         done: set[int] = set()
         wrote_out = wrote_err = False
-        with open(out_temp, "wb") as out, open(err_temp, "wb") as err:
+        with (
+            open(out_temp, "wb", opener=private_opener) as out,
+            open(err_temp, "wb", opener=private_opener) as err,
+        ):
             for result in self.results(batch.id):
                 done.add(result.line)
                 if result.succeeded:

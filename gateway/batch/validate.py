@@ -14,8 +14,17 @@ from typing import Any
 import msgspec
 
 from hpcserve.contracts.batch_backlog import FileSummary
+from hpcserve.gateway.errors import APIError
+from hpcserve.gateway.json_limits import check_body
+from hpcserve.gateway.responses import batch_request
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank")
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/v1/responses",  # run as a chat completion (gateway/responses.py batch_request)
+)
 MAX_REPORTED = 20
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -76,6 +85,10 @@ def _check_line(number: int, raw: bytes) -> tuple[str, str, str] | str:
     if not raw.strip():
         return "empty line (every line must be one JSON request object)"
     try:
+        check_body(raw)  # nesting depth, 64-bit integers, lone surrogates (gateway/json_limits)
+    except APIError as err:
+        return err.message
+    try:
         line = _line_decoder.decode(raw)
     except msgspec.DecodeError as err:
         return f"not a JSON object: {err}"
@@ -96,6 +109,11 @@ def _check_line(number: int, raw: bytes) -> tuple[str, str, str] | str:
         return "'body.model' is required and must be a non-empty string"
     if line.body.get("stream"):
         return "'body.stream' must be false: batch requests are not streamed"
+    if line.url == "/v1/responses":
+        try:
+            batch_request(msgspec.json.encode(line.body))
+        except APIError as err:
+            return f"'body': {err.message}"
     return line.custom_id, line.url, model
 
 

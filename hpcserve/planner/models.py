@@ -173,7 +173,8 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         raise PlanError(f"--model: cannot read {file}: {err}") from None
     if not isinstance(raw, dict):
         raise PlanError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-    cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    text_config = raw.get("text_config")
+    cfg = text_config if isinstance(text_config, dict) else raw
     return _spec_from_config(cfg, file, name=str(raw.get("_name_or_path") or file.parent.name))
 
 

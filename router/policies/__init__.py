@@ -5,14 +5,19 @@ from __future__ import annotations
 import random
 
 from hpcserve.config import RoutingConfig
-from hpcserve.router.policies.base import LowestCost, Policy, RoundRobin, Weighted
+from hpcserve.router.policies.base import Filter, LowestCost, Policy, RoundRobin, Weighted
 from hpcserve.router.policies.filters import BatchYields, Routable, ServesAdapter
 from hpcserve.router.policies.pool_roles import PoolRoles
 from hpcserve.router.policies.scorers import KvPressure, Load, NewPrefill
 
 
 def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Policy:
-    filters = [Routable(), ServesAdapter(), PoolRoles(config.batch_lend_below), BatchYields()]
+    filters: list[Filter] = [
+        Routable(),
+        ServesAdapter(),
+        PoolRoles(config.batch_lend_below),
+        BatchYields(),
+    ]
     if config.policy == "round-robin":
         return Policy("round-robin", filters, [], RoundRobin())
     if config.policy == "least-load":

@@ -76,8 +76,8 @@ class Sparse:
     replicas that hold part of it, without a vector for the prompt."""
 
     base: float | np.ndarray
-    rows: Sequence[int]
-    delta: Sequence[float]
+    rows: Sequence[int] | np.ndarray
+    delta: Sequence[float] | np.ndarray
 
     def dense(self, n: int) -> np.ndarray:
         return dense_cost(self, n)

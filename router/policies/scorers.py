@@ -135,11 +135,11 @@ class KvPressure:
             room = np.divide(held, capacity, out=np.zeros(len(held)), where=capacity > 0)
             fill = np.minimum(np.maximum(fill, room), 1.0)
         prompt = max(ctx.request.prompt_tokens, 0)
-        cost = fill * prompt
+        cost: np.ndarray = fill * prompt
         cached = ctx.cached_tokens
         if cached is not None and len(cached.rows) <= FEW_ROWS:
-            for row, held in zip(cached.rows, cached.tokens, strict=True):
-                cost[row] -= float(fill[row]) * min(held, prompt)
+            for row, held_tokens in zip(cached.rows, cached.tokens, strict=True):
+                cost[row] -= float(fill[row]) * min(held_tokens, prompt)
         elif cached is not None:
             rows = np.asarray(cached.rows, np.intp)
             cost[rows] -= fill[rows] * np.minimum(np.asarray(cached.tokens), prompt)

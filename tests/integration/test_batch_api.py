@@ -25,6 +25,7 @@ from hpcserve.contracts.router_client import list_models, list_replicas
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
+from tests.services import metrics_headers
 
 KEY_A = "sk-batch-tenant-a"
 KEY_B = "sk-batch-tenant-b"
@@ -107,6 +108,9 @@ class GatewayProcess(ServiceProcess):
         self.log_path = state_dir / "gateway.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def metrics_headers(self) -> dict[str, str]:
+        return metrics_headers(self.config_path)
+
     def write_config(self, batch: dict[str, Any]) -> None:
         """The config file (read by processes started after this)."""
         router, state_dir = self.router, self.state_dir
@@ -186,9 +190,9 @@ def parse_metrics_port(config_path: Path) -> int:
     return load_config(config_path).batch.metrics_port
 
 
-def metric(url: str, name: str) -> float:
+def metric(url: str, name: str, headers: dict[str, str] | None = None) -> float:
     """A metric without labels from a /metrics page (-1 when absent)."""
-    for line in httpx.get(url, timeout=5).text.splitlines():
+    for line in httpx.get(url, headers=headers, timeout=5).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return -1.0
@@ -541,7 +545,7 @@ def test_replica_failures_are_retried_elsewhere_then_recorded_in_the_error_file(
         engines.start()
         done = wait_status(client, submit(client, chat_lines(40)).id, {"completed"})
         assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
-        metrics = httpx.get(gateway.url + "/metrics").text
+        metrics = httpx.get(gateway.url + "/metrics", headers=gateway.metrics_headers()).text
         retries = [m for m in metrics.splitlines() if m.startswith("hpcserve_batch_retries_total")]
         assert retries and float(retries[0].split()[-1]) > 0
     finally:
@@ -573,7 +577,7 @@ def test_a_runner_process_killed_mid_batch_resumes_without_losing_or_repeating_r
     # With no runner, the gateway (batch.runner = "process") runs nothing and says so.
     wait_for(
         "the gateway to report the batch waiting with no runner",
-        lambda: metric(gateway.url + "/metrics", "hpcserve_batch_waiting_without_runner") == 1,
+        lambda: metric(gateway.url + "/metrics", "hpcserve_batch_waiting_without_runner", gateway.metrics_headers()) == 1,
     )
     assert client.batches.retrieve(batch.id).request_counts.completed == stored
     assert "no process holds" in gateway.log_path.read_text()
@@ -586,7 +590,7 @@ def test_a_runner_process_killed_mid_batch_resumes_without_losing_or_repeating_r
     # Only what was in flight (sent, or answered and not yet stored) at the kill ran twice.
     assert 60 <= engine_requests(router, max_tokens=20) <= 60 + 1
     assert metric(runner.metrics_url, "hpcserve_batch_runner_lock_held") == 1
-    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held") == 0
+    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held", gateway.metrics_headers()) == 0
     # `hpcserve batches` reads the same store.
     listing = subprocess.run(
         [sys.executable, "-m", "hpcserve.cli", "batches", "--config", str(gateway.config_path)],
@@ -613,14 +617,14 @@ def test_a_standby_gateway_hands_its_batch_to_a_runner_process_without_redoing_a
         "the gateway's results",
         lambda: client.batches.retrieve(batch.id).request_counts.completed >= 4,
     )
-    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held") == 1
+    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held", gateway.metrics_headers()) == 1
     runner = make_runner(gateway)
     wait_for(
         "the runner process to take the lock",
         lambda: metric(runner.metrics_url, "hpcserve_batch_runner_lock_held") == 1,
         timeout=60,
     )
-    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held") == 0
+    assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held", gateway.metrics_headers()) == 0
     handed = client.batches.retrieve(batch.id).request_counts.completed
     wait_for(
         "the runner process's results",

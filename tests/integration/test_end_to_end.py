@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 
 from hpcserve.config import (
     ApiKey,
+    BatchConfig,
     EngineHostConfig,
     GatewayConfig,
     PlatformConfig,
@@ -30,13 +32,14 @@ from hpcserve.config import (
     dump_config,
     hash_api_key,
 )
+from hpcserve.contracts.engine_token import auth_headers, read_token
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import conf_processes, free_port_block
 from tests.ports import free_port
-from tests.processes import processes_mentioning
+from tests.processes import job_cgroup_processes, processes_mentioning, session_processes
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -77,6 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             log_dir=str(state / "jobs"),
         ),
         poolmgr=PoolMgrConfig(poll_s=1.0, metrics_port=free_port()),
+        batch=BatchConfig(metrics_port=free_port()),  # not 9103: another stack may hold it
         engine=EngineHostConfig(
             bind_host="127.0.0.1", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
         ),
@@ -91,6 +95,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
                 max_loras=2,
                 max_lora_rank=8,
                 lora_adapters=["docs-a"],
+                tool_call_parser="hermes",  # as the demo pool (issue 17)
             ),
             *(
                 PoolConfig(
@@ -346,7 +351,12 @@ def test_lora_adapter_loaded_on_demand_then_least_recently_used_unloaded(
 # -- Batch API (issue 10): a small batch of chat and one of embeddings, run by real vLLM ------
 
 
-def _run_batch(client: openai.OpenAI, endpoint: str, bodies: list[dict[str, object]]) -> list:
+def _run_batch(
+    client: openai.OpenAI,
+    endpoint: str,
+    bodies: list[dict[str, object]],
+    metadata: dict[str, str] | None = None,
+) -> list:
     data = b"".join(
         json.dumps({"custom_id": f"doc-{i}", "method": "POST", "url": endpoint, "body": body})
         .encode() + b"\n"
@@ -357,6 +367,7 @@ def _run_batch(client: openai.OpenAI, endpoint: str, bodies: list[dict[str, obje
         input_file_id=upload.id,
         endpoint=endpoint,  # type: ignore[arg-type]
         completion_window="24h",
+        metadata=metadata,
     )
     deadline = time.monotonic() + 120
     while (batch := client.batches.retrieve(batch.id)).status not in (
@@ -489,9 +500,228 @@ def test_gateway_metrics_count_streamed_tokens_and_time_to_first_token(
     )
     chunks = list(stream)
     assert all(c.usage is None for c in chunks), "usage the client did not ask for is hidden"
-    metrics = httpx.get(f"http://127.0.0.1:{config.gateway.port}/metrics", timeout=10).text
+    url = f"http://127.0.0.1:{config.gateway.port}/metrics"
+    assert httpx.get(url, timeout=10).status_code == 401, "/metrics names tenants"
+    token = read_token(config.metrics_token_path())
+    metrics = httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=10).text
     assert f'hpcserve_gateway_time_to_first_token_seconds_count{{model="{MODEL}"}}' in metrics
     assert f'direction="out",model="{MODEL}",tenant="e2e"' in metrics
+
+
+# -- The OpenAI SDK's surface (issue 17): models.retrieve, tools and tool_choice, json_object,
+# rerank and score through the SDK's own client, files and batches listed and deleted ----------
+
+# A strict tool: vLLM guides its arguments by the schema (a non-strict one gets the call's
+# envelope guided and arguments that are any JSON: vLLM 0.32's --tool-strict-level auto).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}},
+    },
+}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Random weights greedily pad guided JSON with whitespace until max_tokens; sampled with a
+# seed they close it (seed 0: ~75 tokens) and the answer repeats.
+SAMPLED = {"temperature": 1.0, "seed": 0, "max_tokens": 300}
+
+
+def test_models_retrieve_answers_served_names_adapters_and_unknown_names(
+    client: openai.OpenAI,
+) -> None:
+    chat = client.models.retrieve(MODEL)
+    assert (chat.id, chat.object, chat.owned_by) == (MODEL, "model", "hpcserve")
+    assert chat.replicas == 1  # type: ignore[attr-defined]
+    assert client.models.retrieve(EMBED).id == EMBED
+    adapter = client.models.retrieve("docs-b")  # registered, loaded or not
+    assert adapter.parent == MODEL  # type: ignore[attr-defined]  # vLLM's field
+    listed = {m.id: m.model_dump() for m in client.models.list()}
+    assert client.models.retrieve(RERANK).model_dump() == listed[RERANK]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.code == "model_not_found"
+
+
+def test_a_named_tool_choice_calls_that_function_with_valid_arguments(
+    client: openai.OpenAI,
+) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,  # type: ignore[arg-type]
+        tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        **SAMPLED,  # type: ignore[arg-type]
+    )
+    (choice,) = reply.choices
+    assert choice.finish_reason == "stop", choice  # OpenAI's for a forced function too
+    (call,) = choice.message.tool_calls or []
+    assert call.type == "function" and call.id
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")  # type: ignore[union-attr]
+
+
+def test_a_required_tool_choice_calls_one_of_the_tools(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,  # type: ignore[arg-type]
+        tools=[WEATHER, CLOCK],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **SAMPLED,  # type: ignore[arg-type]
+    )
+    (choice,) = reply.choices
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]  # JSON, always
+    assert call.function.name in ("get_weather", "get_time")  # type: ignore[union-attr]
+    if call.function.name == "get_weather":  # type: ignore[union-attr]
+        assert arguments["city"] in ("Paris", "Oslo")
+
+
+def test_auto_and_none_tool_choices_answer_in_the_chat_shape(client: openai.OpenAI) -> None:
+    for tool_choice in ("auto", "none"):
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=ASK_WEATHER,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+            tool_choice=tool_choice,  # type: ignore[arg-type]
+            max_tokens=16,
+            temperature=0,
+        )
+        (choice,) = reply.choices
+        message = choice.message
+        # A random model writes text, not a call; a call would come parsed, not as text.
+        if message.tool_calls:
+            assert tool_choice == "auto" and choice.finish_reason == "tool_calls"
+        else:
+            assert isinstance(message.content, str) and "<tool_call>" not in message.content
+            assert choice.finish_reason in ("stop", "length")
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+
+def test_a_streamed_tool_call_arrives_in_deltas(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_WEATHER,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+        **SAMPLED,  # type: ignore[arg-type]
+    )
+    chunks = list(stream)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas and deltas[0].id and deltas[0].function is not None
+    assert deltas[0].function.name == "get_weather"
+    assert {d.index for d in deltas} == {0}
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function)
+    assert json.loads(arguments)["city"] in ("Paris", "Oslo")
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["stop"]
+    assert all(c.usage is None for c in chunks), "usage the client did not ask for is hidden"
+
+
+def test_a_conversation_carries_tool_calls_and_their_results(client: openai.OpenAI) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    messages = [
+        *ASK_WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+
+    def prompt_tokens(history: list[dict[str, object]]) -> int:
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=history,  # type: ignore[arg-type]
+            tools=[WEATHER],  # type: ignore[list-item]
+            max_tokens=4,
+        )
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    # The template writes the call and its result into the prompt (hpcserve/tinymodels.py).
+    assert prompt_tokens(messages) > prompt_tokens(ASK_WEATHER) + 20
+
+
+def test_json_object_output_is_guided_by_vllm(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe the port as JSON"}],
+        response_format={"type": "json_object"},
+        max_tokens=100,
+        temperature=1.0,
+        seed=3,
+    )
+    content = reply.choices[0].message.content or ""
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:  # cut at max_tokens: what it wrote still opens an object
+        assert content.lstrip().startswith("{")
+
+
+def test_rerank_and_score_through_the_sdks_own_client(client: openai.OpenAI) -> None:
+    # The SDK has no rerank: apps post to it with the client they have (same key, base URL).
+    docs = ["a bill of lading", "a weather report"]
+    reranked = client.post(
+        "/rerank",
+        body={"model": RERANK, "query": "shipping documents", "documents": docs},
+        cast_to=httpx.Response,
+    ).json()
+    assert sorted(r["index"] for r in reranked["results"]) == [0, 1]
+    scored = client.post(
+        "/score",
+        body={"model": RERANK, "text_1": "shipping", "text_2": docs},
+        cast_to=httpx.Response,
+    ).json()
+    assert len(scored["data"]) == 2
+    with pytest.raises(openai.NotFoundError):
+        client.post(
+            "/rerank", body={"model": "nope", "query": "q", "documents": ["d"]}, cast_to=object
+        )
+
+
+def test_files_and_batches_are_listed_retrieved_and_deleted(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    bodies = [
+        {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": named,
+         **SAMPLED, "seed": seed}
+        for seed in range(2)
+    ]  # fmt: skip
+    tag = {"test": "files-and-batches"}
+    output = _run_batch(client, "/v1/chat/completions", bodies, metadata=tag)
+    for line in output:
+        (call,) = line["response"]["body"]["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+    (batch,) = [b for b in client.batches.list() if b.metadata == tag]
+    assert batch.output_file_id is not None
+    assert client.batches.retrieve(batch.id).status == "completed"
+    files = {f.id: f for f in client.files.list()}
+    assert {batch.input_file_id, batch.output_file_id} <= files.keys()
+    upload = client.files.retrieve(batch.input_file_id)
+    assert (upload.purpose, upload.bytes) == ("batch", files[batch.input_file_id].bytes)
+    assert client.files.delete(batch.input_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(batch.input_file_id)
 
 
 # -- KV-cache-aware routing (issue 4): vLLM's KV events reach the router's prefix index ------
@@ -539,7 +769,7 @@ def test_kv_events_from_vllm_fill_the_index_and_a_repeated_prompt_hits_it(
 # -- Batch API (issue 10): engines schedule by priority, batch after interactive -------------
 
 
-async def _first_token_order(url: str, batch: int, max_tokens: int) -> list[str]:
+async def _first_token_order(url: str, batch: int, max_tokens: int, token: str) -> list[str]:
     """Streams `batch` requests at the batch priority straight to the engine, then, once
     they queue there, one at the interactive priority: the order of their first tokens."""
     order: list[str] = []
@@ -557,7 +787,8 @@ async def _first_token_order(url: str, batch: int, max_tokens: int) -> list[str]
                 if any(c["delta"].get("content") for c in json.loads(line[6:])["choices"]):
                     order.append(name)
 
-    async with httpx.AsyncClient(timeout=120) as http:
+    # Straight to the engine, which answers only the stack's callers: the engine token.
+    async with httpx.AsyncClient(timeout=120, headers=auth_headers(token)) as http:
         queued = [
             asyncio.create_task(chat(http, f"batch-{i}", ENGINE_PRIORITY["batch"]))
             for i in range(batch)
@@ -583,7 +814,8 @@ def test_an_interactive_request_overtakes_queued_batch_requests_on_vllm(
     _, config = stack
     url = next(r.url for r in list_replicas(config.router.routing_bind) if r.model == MODEL)
     # The pool's default scheduling policy is priority; 4 run at once, 8 batch requests wait.
-    order = asyncio.run(_first_token_order(url, batch=12, max_tokens=400))
+    token = read_token(config.engine_token_path())
+    order = asyncio.run(_first_token_order(url, batch=12, max_tokens=400, token=token))
     assert sorted(order) == sorted(["interactive", *(f"batch-{i}" for i in range(12))])
     # First come, first served would start it after all 8 queued before it; priority starts
     # it with the first places that free up: the last wave of batch requests starts after it.
@@ -634,3 +866,10 @@ def test_down_drains_and_leaves_no_process_behind(stack: tuple[Stack, PlatformCo
     assert "stop requested: SIGTERM" in text
     assert "deregistered" in text
     assert "engine stopped (vLLM exit code 0)" in text
+    assert "vLLM stopped: drained in " in text
+    # Nothing of any job's vLLM is left, by what the processes are: the session vLLM ran
+    # in (process group and parentage too), and the job's cgroup (proctrack/cgroup).
+    for job_log in Path(config.slurm.log_dir).glob("*.out"):
+        sessions = re.findall(r"starting vLLM in session (\d+)", job_log.read_text())
+        assert sessions and all(session_processes(int(s)) == [] for s in sessions), job_log
+        assert job_cgroup_processes(int(job_log.stem.rsplit("-", 1)[1])) == [], job_log

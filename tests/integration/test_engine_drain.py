@@ -3,6 +3,7 @@ gateway with the official openai client, and a drain that loses no request in fl
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -17,7 +18,7 @@ from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
 from hpcserve.contracts.router_client import list_models, list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router.server import RouterServer
-from tests.processes import processes_mentioning
+from tests.processes import processes_mentioning, session_processes
 
 KEY = "sk-drain-test"
 
@@ -63,6 +64,13 @@ def test_engine_killed_hard_takes_its_engine_process_with_it(
     engine.wait(10)
     port = url.rsplit(":", 1)[1]
     wait_for(lambda: processes_mentioning(f"--port {port}") == [])
+    # The engine's keeper saw it go and ended the engine's session; once every process of
+    # it is gone, nothing holds the log pipe any more.
+    assert engine.stdout is not None
+    log = engine.stdout.read()
+    (session,) = re.findall(r"starting vLLM in session (\d+)", log)
+    assert session_processes(int(session)) == []
+    assert f"the engine (pid {engine.pid}) is gone: vLLM's process tree (session {session}" in log
 
 
 def test_sigterm_leaves_routing_at_once_and_finishes_requests_in_flight(
@@ -91,3 +99,6 @@ def test_sigterm_leaves_routing_at_once_and_finishes_requests_in_flight(
     assert engine.stdout is not None
     log = engine.stdout.read()
     assert "stop requested: SIGTERM" in log and "engine stopped (vLLM exit code 0)" in log
+    (session,) = re.findall(r"starting vLLM in session (\d+)", log)
+    assert "vLLM stopped: drained in " in log
+    assert session_processes(int(session)) == []

@@ -211,3 +211,153 @@ def test_named_bad_inputs(
     assert response.status_code == status
     assert needle in response.json()["error"]["message"]
     assert counted(gw) == (0, 0)
+
+
+# -- the Responses and Messages APIs (issue 27): translated to chat completions at the gateway
+items = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(
+                ["message", "function_call", "function_call_output", "reasoning"]
+            )
+            | json_values,
+            "role": st.sampled_from(["user", "assistant", "developer", "tool"]) | json_values,
+            "content": st.text(max_size=10)
+            | st.lists(
+                st.fixed_dictionaries(
+                    {"type": st.sampled_from(["input_text", "input_image", "x"]) | json_values},
+                    optional={"text": st.text(max_size=5) | json_values,
+                              "image_url": json_values},
+                ),
+                max_size=2,
+            )
+            | json_values,
+            "call_id": st.text(max_size=5) | json_values,
+            "name": st.text(max_size=5) | json_values,
+            "arguments": st.text(max_size=5) | json_values,
+            "output": st.text(max_size=5) | json_values,
+        },
+    ),
+    max_size=3,
+)  # fmt: skip
+tool_lists = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "web_search"]) | json_values},
+        optional={"name": st.text(max_size=5) | json_values,
+                  "input_schema": st.sampled_from([{"type": "object"}, {"type": "wat"}])
+                  | json_values,
+                  "parameters": st.sampled_from([{"type": "object"}, {"type": 3}]) | json_values},
+    ),
+    max_size=2,
+) | json_values  # fmt: skip
+RESPONSES_FIELDS = {
+    "model": st.just(MODEL) | json_values,
+    "input": st.text(max_size=20) | items | json_values,
+    "instructions": st.text(max_size=10) | json_values,
+    "previous_response_id": st.text(max_size=10) | json_values,
+    "store": st.booleans() | json_values,
+    "stream": st.booleans() | json_values,
+    "background": st.booleans() | json_values,
+    "max_output_tokens": counts | json_values,
+    "temperature": st.floats(-5, 5) | json_values,
+    "tools": tool_lists,
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function"}])
+    | json_values,
+    "text": st.fixed_dictionaries({"format": response_formats | json_values}) | json_values,
+    "metadata": st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=20)
+    | json_values,
+}
+blocks = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "document"])
+         | json_values},
+        optional={"text": st.text(max_size=5) | json_values, "id": json_values,
+                  "name": json_values, "input": json_values, "tool_use_id": json_values,
+                  "content": json_values, "source": json_values},
+    ),
+    max_size=3,
+)  # fmt: skip
+MESSAGES_FIELDS = {
+    "model": st.just(MODEL) | json_values,
+    "max_tokens": counts | json_values,
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system"]) | json_values},
+            optional={"content": st.text(max_size=10) | blocks | json_values},
+        ),
+        max_size=3,
+    )
+    | json_values,
+    "system": st.text(max_size=5) | blocks | json_values,
+    "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | json_values,
+    "temperature": st.floats(-1, 3) | json_values,
+    "top_k": counts | json_values,
+    "stream": st.booleans() | json_values,
+    "tools": tool_lists,
+    "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "tool"}, {"type": "x"}])
+    | json_values,
+    "thinking": json_values,
+}
+
+
+def check_anthropic(client: TestClient, gw: Gateway, path: str, content: bytes) -> int:
+    before = counted(gw)
+    response = client.post(path, content=content, headers={"x-api-key": KEY})
+    status = response.status_code
+    assert status < 500, f"{path} {content[:300]!r} -> {status} {response.text[:500]}"
+    if status >= 400:
+        body = response.json()
+        assert body["type"] == "error", body
+        assert body["error"]["type"].endswith("_error") and len(body["error"]["message"]) > 5
+        assert counted(gw)[0] == before[0], f"a refused request was counted: {content[:300]!r}"
+    deadline = time.monotonic() + 60
+    while counted(gw)[1]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return status
+
+
+def test_generated_responses_bodies_are_never_a_5xx(gateway: tuple[TestClient, Gateway]) -> None:
+    client, gw = gateway
+    seen: set[int] = set()
+
+    @FUZZ
+    @given(body=st.fixed_dictionaries({}, optional=RESPONSES_FIELDS | {"x": json_values}))
+    def run(body: dict[str, object]) -> None:
+        seen.add(check(client, gw, "/v1/responses", json.dumps(body).encode()))
+
+    run()
+    assert any(400 <= s < 500 for s in seen)
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_generated_messages_bodies_are_never_a_5xx(
+    gateway: tuple[TestClient, Gateway], path: str
+) -> None:
+    client, gw = gateway
+    seen: set[int] = set()
+
+    @FUZZ
+    @given(body=st.fixed_dictionaries({}, optional=MESSAGES_FIELDS | {"x": json_values}))
+    def run(body: dict[str, object]) -> None:
+        seen.add(check_anthropic(client, gw, path, json.dumps(body).encode()))
+
+    run()
+    assert any(400 <= s < 500 for s in seen)
+
+
+@FUZZ
+@given(
+    path=st.sampled_from(["/v1/responses", "/v1/messages", "/v1/messages/count_tokens"]),
+    raw=st.binary(max_size=200),
+)
+def test_arbitrary_bytes_to_responses_and_messages_are_a_400(
+    gateway: tuple[TestClient, Gateway], path: str, raw: bytes
+) -> None:
+    client, gw = gateway
+    if path == "/v1/responses":
+        status = check(client, gw, path, raw)
+    else:
+        status = check_anthropic(client, gw, path, raw)
+    assert status == 400 or raw.strip().startswith(b"{")

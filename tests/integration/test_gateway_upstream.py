@@ -19,7 +19,7 @@ from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
 from tests.routers import ports_free
-from tests.services import gateway_argv, service
+from tests.services import gateway_argv, metrics_headers, service
 
 KEY = "sk-upstream-test"
 METERED_KEY = "sk-upstream-metered"
@@ -57,6 +57,7 @@ def test_client_disconnect_mid_stream_cancels_the_engine_request(
     engine: subprocess.Popen[str],
     gateway: str,
     router: RouterServer,
+    tmp_path: Path,
 ) -> None:
     # ~60 s: unless the engine stops when the client goes, it still runs after the wait below
     body = {"model": "sim", "prompt": "x", "max_tokens": 6000, "stream": True}
@@ -82,7 +83,7 @@ def test_client_disconnect_mid_stream_cancels_the_engine_request(
     (replica,) = list_replicas(router.config.routing_bind)
     assert replica.in_flight == 0, "the router's in-flight count was released"
     # The tokens produced until the client went away count, in metrics and tokens/min.
-    metrics = httpx.get(gateway + "/metrics").text
+    metrics = httpx.get(gateway + "/metrics", headers=metrics_headers(tmp_path / "gateway.toml")).text
     out = 'hpcserve_gateway_tokens_total{direction="out",model="sim",tenant="abandoner"}'
     produced = next(
         float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(out)

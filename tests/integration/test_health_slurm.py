@@ -29,6 +29,7 @@ from hpcserve.config import (
     dump_config,
     hash_api_key,
 )
+from hpcserve.contracts.engine_token import read_token
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
@@ -90,10 +91,13 @@ class Clients:
     """The official client through the real gateway; retries as the client does (it honours
     the gateway's Retry-After), so a request refused while no replica serves is retried."""
 
-    def __init__(self, router: RouterServer) -> None:
+    def __init__(self, router: RouterServer, *, engine_token: str) -> None:
         config = GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))])
         gateway = Gateway(
-            config, routing_endpoint=router.config.routing_bind, configured_models={"p"}
+            config,
+            routing_endpoint=router.config.routing_bind,
+            configured_models={"p"},
+            engine_token=engine_token,  # the pool manager's engines require it
         )
         self.http = TestClient(build_app(gateway))
         self.client = openai.OpenAI(
@@ -151,7 +155,7 @@ def test_xid_79_takes_the_replica_out_drains_the_node_and_moves_the_capacity(
     poll_until("a serving replica", lambda: len(serving_jobs(router)) == 1)
     (job,) = active(slurm, "hx1")
     (node,) = job.nodes
-    with Clients(router) as clients:
+    with Clients(router, engine_token=read_token(config.engine_token_path())) as clients:
         clients.start(clients.steady)
         wait_for("steady traffic", lambda: len(clients.results) >= 5)
         # Requests that run across the fault: 300 tokens at 10 ms each, ~3 s.

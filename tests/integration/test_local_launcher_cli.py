@@ -13,7 +13,7 @@ import pytest
 
 from hpcserve.config import dump_config, hash_api_key, parse_config
 from tests.ports import free_port
-from tests.processes import processes_mentioning
+from tests.processes import processes_mentioning, session_processes
 
 pytestmark = pytest.mark.vllm
 
@@ -93,8 +93,12 @@ def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
     (log,) = (state / "jobs").glob("*.out")
     text = log.read_text()
     assert "engine stopped (vLLM exit code 0)" in text
-    # The API server vLLM was started as is gone (its engine core renames itself, VLLM::).
-    (pid,) = re.findall(r"stopping vLLM \(pid (\d+)\)", text)
+    # vLLM drained, and nothing of its tree is left: found by session, process group and
+    # parentage, as its engine core and workers rename themselves (VLLM::...).
+    (pid,) = re.findall(r"draining vLLM \(pid (\d+)\)", text)
     assert not Path(f"/proc/{pid}").exists()
+    (session,) = re.findall(r"starting vLLM in session (\d+)", text)
+    assert session_processes(int(session)) == []
+    assert "vLLM stopped: drained in " in text
     port = re.findall(r"--port (\d+)", text)[0]
     assert processes_mentioning(f"--port {port}") == []

@@ -16,10 +16,17 @@ from typing import TypeVar
 
 import pytest
 
-from hpcserve.localslurm import LocalSlurm, LocalSlurmError, LocalSlurmSpec
+from hpcserve.localslurm import (
+    JOB_IDS_PER_CLUSTER,
+    LocalSlurm,
+    LocalSlurmError,
+    LocalSlurmSpec,
+    cgroup_support,
+)
 from hpcserve.slurm.client import SlurmCLI, SlurmError
 from hpcserve.slurm.parse import JobState, SlurmJob
 from tests.integration.slurm_helpers import conf_processes, free_port_block, wait_for
+from tests.processes import job_cgroup_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -154,6 +161,42 @@ def test_drain_and_resume_a_node(slurm: SlurmCLI) -> None:
         SLURM_S,
     )
     assert n1.reason == ""
+
+
+# What vLLM's processes may do: ignore SIGTERM, leave the session, lose their parent.
+ESCAPES = """#!/bin/bash
+#SBATCH --gres=gpu:1
+trap '' TERM
+( setsid sleep 300 & )
+sleep 300
+"""
+
+
+def _live(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def test_a_job_is_tracked_by_its_cgroup(slurm: SlurmCLI, cluster: LocalSlurm) -> None:
+    kind, why = cluster.proctrack()
+    assert (kind == "proctrack/cgroup") == cgroup_support()[0], why
+    if kind != "proctrack/cgroup":
+        pytest.skip(f"this kernel gives slurmd no cgroups: {why}")
+    assert f"ProctrackType={kind}" in cluster.conf_path.read_text()
+    job_id = submit(slurm, cluster, ESCAPES)
+    assert cluster.first_job_id <= job_id < cluster.first_job_id + JOB_IDS_PER_CLUSTER
+    # the batch shell, its sleep, and the orphan in a session of its own
+    wait_for("the job's processes", lambda: len(job_cgroup_processes(job_id)) >= 3, SLURM_S)
+    pids = [int(line.split()[0]) for line in job_cgroup_processes(job_id)]
+    slurm.cancel([job_id])
+    wait_for("the job's cgroup empty", lambda: job_cgroup_processes(job_id) == [], SLURM_S)
+    assert not [pid for pid in pids if _live(pid)]
+    # SIGTERM was ignored: Slurm killed them KillWait later; let the node finish completing
+    idle = ["IDLE"]
+    wait_for("idle nodes", lambda: all(n.state == idle for n in slurm.nodes()), SLURM_S)
 
 
 def test_slurm_errors_quote_slurm(slurm: SlurmCLI) -> None:

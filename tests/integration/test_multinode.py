@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from hpcserve.config import PlatformConfig
+from hpcserve.contracts.engine_token import auth_headers, read_token
 from hpcserve.contracts.protocol import ReplicaInfo
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.engine_launch.load import parse_vllm_load
@@ -33,6 +35,7 @@ from hpcserve.slurm.client import SlurmCLI
 from hpcserve.slurm.parse import JobState, SlurmJob
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import PROCESSES_GONE_S, cluster_config, wait_for
+from tests.processes import job_cgroup_processes, session_processes
 
 pytestmark = pytest.mark.slurm
 
@@ -50,6 +53,17 @@ def make_config(
     )
 
 
+def headless_sim(process: str) -> bool:
+    """The simulated headless vLLM itself (not its keeper, whose command line holds it)."""
+    return "sim.launch --headless" in process and "process_tree" not in process
+
+
+def job_leftovers(job_id: int) -> list[str]:
+    """What of a job still runs: by its SLURM_JOB_ID, and by its cgroup (proctrack/cgroup),
+    which vLLM's renamed processes with a blanked environment cannot leave."""
+    return job_processes(job_id) + job_cgroup_processes(job_id)
+
+
 def job_processes(job_id: int) -> list[str]:
     """Live processes of a job: everything with its SLURM_JOB_ID in the environment."""
     found = []
@@ -65,7 +79,8 @@ def job_processes(job_id: int) -> list[str]:
     return found
 
 
-def completion(url: str, max_tokens: int, timeout: float = 60) -> dict[str, Any]:
+def completion(url: str, max_tokens: int, token: str, timeout: float = 60) -> dict[str, Any]:
+    """Straight to the engine, with the deployment's engine token (engines refuse others)."""
     body = {
         "model": "p",
         "prompt": "The cluster",
@@ -76,7 +91,7 @@ def completion(url: str, max_tokens: int, timeout: float = 60) -> dict[str, Any]
     request = urllib.request.Request(
         url + "/v1/completions",
         data=json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
+        headers={"content-type": "application/json", **auth_headers(token)},
     )
     with urllib.request.urlopen(request, timeout=timeout) as resp:
         return dict(json.load(resp))
@@ -110,7 +125,10 @@ class MultiNodeReplica:
     def start_request(self, url: str, max_tokens: int) -> tuple[threading.Thread, list[Any]]:
         """A request in flight: returns once the engine reports it running."""
         result: list[dict[str, Any]] = []
-        thread = threading.Thread(target=lambda: result.append(completion(url, max_tokens, 120)))
+        token = read_token(self.manager.config.engine_token_path())
+        thread = threading.Thread(
+            target=lambda: result.append(completion(url, max_tokens, token, 120))
+        )
         thread.start()
 
         def running() -> bool:
@@ -158,7 +176,7 @@ def test_sim_replica_across_two_nodes_serves_registers_once_and_drains(replica_f
     procs = job_processes(job.job_id)
     engines = [p for p in procs if "hpcserve engine " in p and "srun " not in p]
     assert len(engines) == 2 and all("--nnodes 2" in p for p in engines), procs
-    assert len([p for p in procs if "sim_engine --headless" in p]) == 1, procs
+    assert len([p for p in procs if headless_sim(p)]) == 1, procs
 
     # 6 s of decoding: time for the drain to take the replica out of routing on a loaded
     # machine before the request ends
@@ -169,7 +187,7 @@ def test_sim_replica_across_two_nodes_serves_registers_once_and_drains(replica_f
     assert result[0]["usage"]["completion_tokens"] == 600, "the request in flight finished"
     assert ended.state is JobState.COMPLETED
     wait_for(
-        "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
+        "no process of the job", lambda: not job_leftovers(job.job_id), timeout=PROCESSES_GONE_S
     )
 
     log = replica.log(job)
@@ -187,13 +205,13 @@ def test_a_lost_rank_fails_the_replica(replica_for: Any) -> None:
     )
     job, _ = replica.start(timeout=120)
     # Rank 1's "vLLM" dies: its engine fails; rank 0 sees it go and deregisters.
-    (headless,) = [p for p in job_processes(job.job_id) if "sim_engine --headless" in p]
+    (headless,) = [p for p in job_processes(job.job_id) if headless_sim(p)]
     os.kill(int(headless.split(":")[0]), signal.SIGKILL)
     wait_for("the replica to leave routing", lambda: not replica.replicas())
     wait_for("the job to end", lambda: not replica.job().state.is_active)
     assert replica.job().state is JobState.FAILED
     wait_for(
-        "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
+        "no process of the job", lambda: not job_leftovers(job.job_id), timeout=PROCESSES_GONE_S
     )
     log = replica.log(job)
     assert "headless vLLM exited with code -9" in log
@@ -217,7 +235,7 @@ def test_vllm_tensor_parallel_across_two_nodes_serves_and_drains(
     print(f"two-node vLLM replica serving after {time.monotonic() - started:.0f}s")
     assert job.nodes == ["n1", "n2"]
     assert info.node == "n1"
-    reply = completion(info.url, 8)
+    reply = completion(info.url, 8, read_token(replica.manager.config.engine_token_path()))
     assert reply["usage"]["completion_tokens"] == 8
     assert reply["system_fingerprint"].startswith("vllm-") and "tp2" in reply["system_fingerprint"]
 
@@ -228,8 +246,11 @@ def test_vllm_tensor_parallel_across_two_nodes_serves_and_drains(
     assert result[0]["usage"]["completion_tokens"] == 480, "the request in flight finished"
     assert ended.state is JobState.COMPLETED
     wait_for(
-        "no process of the job", lambda: not job_processes(job.job_id), timeout=PROCESSES_GONE_S
+        "no process of the job", lambda: not job_leftovers(job.job_id), timeout=PROCESSES_GONE_S
     )
     log = replica.log(job)
+    # Each node's engine owned its vLLM's tree: nothing of either session is left.
+    sessions = re.findall(r"starting (?:headless )?vLLM in session (\d+)", log)
+    assert len(sessions) == 2 and all(session_processes(int(s)) == [] for s in sessions)
     assert "headless multiproc executor" in log  # rank 1 ran vLLM's headless workers
     assert log.index("the head engine closed the link") > log.index("engine stopped")

@@ -20,6 +20,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, GatewayConfig, PlatformConfig, hash_api_key, parse_config
+from hpcserve.contracts.engine_token import read_token
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
@@ -78,10 +79,13 @@ def serving_jobs(router: RouterServer) -> set[int]:
 class Traffic:
     """Steady requests through the real gateway while the pool changes; counts failures."""
 
-    def __init__(self, router: RouterServer, model: str = "p") -> None:
+    def __init__(self, router: RouterServer, model: str = "p", *, engine_token: str) -> None:
         config = GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))])
         gateway = Gateway(
-            config, routing_endpoint=router.config.routing_bind, configured_models={model}
+            config,
+            routing_endpoint=router.config.routing_bind,
+            configured_models={model},
+            engine_token=engine_token,  # the pool manager's engines require it
         )
         self._http = TestClient(build_app(gateway))
         self.model = model
@@ -164,7 +168,7 @@ def test_scale_up_and_down_without_failing_a_request_in_flight(
     assert active(slurm, "pm2") == []
     write_override(tmp_path, "p", 2)
     poll_until(manager, "two serving replicas", lambda: len(serving_jobs(router)) == 2)
-    with Traffic(router) as traffic:
+    with Traffic(router, engine_token=read_token(manager.config.engine_token_path())) as traffic:
         wait_for("traffic", lambda: traffic.ok >= 5)
         write_override(tmp_path, "p", 1)
         poll_until(manager, "one job left", lambda: len(active(slurm, "pm2")) == 1)
@@ -186,7 +190,7 @@ def test_walltime_handover_serves_without_a_gap(
     )
     poll_until(manager, "the first replica serving", lambda: len(serving_jobs(router)) == 1)
     (first,) = serving_jobs(router)
-    with Traffic(router) as traffic:
+    with Traffic(router, engine_token=read_token(manager.config.engine_token_path())) as traffic:
         poll_until(
             manager,
             "the successor serving and the first job ended",

@@ -16,6 +16,7 @@ from hpcserve.contracts import protocol as p
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.batch.execute import NoReplica, ReplicaFailed, RoutedExecutor
+from hpcserve.gateway.batch.runner import result_of
 from hpcserve.gateway.relay import Relay
 from hpcserve.gateway.routing_client import RoutingClient
 from hpcserve.router.server import RouterServer
@@ -113,5 +114,29 @@ def test_no_replica_waits_and_an_unknown_model_is_a_404(fleet: RouterServer) -> 
         )
         assert reply.status_code == 404
         assert msgspec.json.decode(reply.body)["error"]["code"] == "model_not_found"
+
+    run(fleet, scenario)
+
+
+def test_a_responses_line_runs_as_a_chat_completion_and_answers_a_response(
+    fleet: RouterServer,
+) -> None:
+    body = msgspec.json.encode({"model": "sim", "input": "an invoice", "max_output_tokens": 3})
+
+    async def scenario(executor: RoutedExecutor) -> None:
+        reply = await executor.execute(
+            "sim", "/v1/responses", body, "req_r", exclude=["dead"], hints={}
+        )
+        assert (reply.status_code, reply.replica_id) == (200, "live")
+        answer = msgspec.json.decode(reply.body)
+        assert (answer["object"], answer["status"], answer["store"]) == (
+            "response",
+            "incomplete",
+            False,
+        )
+        assert answer["output"][0]["content"][0]["text"] == " tok0 tok1 tok2"
+        assert answer["usage"]["output_tokens"] == 3
+        result = result_of(1, "c", "req_r", reply)  # what the batch's token counts read
+        assert (result.input_tokens, result.output_tokens) == (2, 3)
 
     run(fleet, scenario)

@@ -103,3 +103,17 @@ def test_reports_stop_after_a_bounded_number() -> None:
 )
 def test_split_lines_across_chunks(chunks: list[bytes], expected: list[tuple[int, bytes]]) -> None:
     assert list(split_lines(chunks)) == expected
+
+
+def test_responses_lines_are_checked_as_the_responses_api_checks_them() -> None:
+    good = line(url="/v1/responses", body={"model": "m", "input": "hi", "max_output_tokens": 5})
+    assert validate_batch_file([good], max_lines=1).urls == ["/v1/responses"]
+    assert errors_of(
+        line(url="/v1/responses", body={"model": "m", "input": "x", "previous_response_id": "r"}),
+        line(custom_id="b", url="/v1/responses", body={"model": "m", "input": [{"type": "x"}]}),
+    ) == [
+        "line 1: 'body': previous_response_id: batch requests are stateless (chain turns "
+        "interactively)",
+        "line 2: 'body': input[0].type: expected message, function_call or "
+        "function_call_output, got 'x'",
+    ]

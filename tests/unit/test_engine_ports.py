@@ -10,8 +10,6 @@ import pytest
 from hpcserve.engine_launch.engine import EngineFailed, EngineOptions, EngineRunner
 from hpcserve.engine_launch.engine_ports import (
     HTTP,
-    KV_EVENTS,
-    KV_REPLAY,
     MASTER,
     PORT_RETRIES,
     EnginePort,
@@ -33,11 +31,10 @@ SPEC = EngineSpec("/m", "m", "vllm", "python", "0.0.0.0", 20001)
     [
         (SPEC, True, [EnginePort(HTTP, 20001, True)]),
         (
-            EngineSpec("/m", "m", "vllm", "python", "10.0.0.5", 20001, kv_events_port=20002,
-                       kv_replay_port=20003),
+            # The KV-event sockets are ipc:// in a private directory: no ports.
+            EngineSpec("/m", "m", "vllm", "python", "10.0.0.5", 20001, kv_events_dir="/tmp/kv"),
             False,
-            [EnginePort(HTTP, 20001, False, "10.0.0.5"), EnginePort(KV_EVENTS, 20002, True),
-             EnginePort(KV_REPLAY, 20003, True)],
+            [EnginePort(HTTP, 20001, False, "10.0.0.5")],
         ),
         (
             EngineSpec("/m", "m", "vllm", "python", "0.0.0.0", 20001, nnodes=2,
@@ -52,7 +49,6 @@ def test_engine_ports(spec: EngineSpec, http_chosen: bool, expected: list[Engine
 
 
 HTTP_PORT = EnginePort(HTTP, 20001, True)
-KV_PORT = EnginePort(KV_EVENTS, 20002, True)
 GIVEN = EnginePort(HTTP, 8000, False)
 MASTER_PORT = EnginePort(MASTER, 29500, False)
 
@@ -61,11 +57,11 @@ MASTER_PORT = EnginePort(MASTER, 29500, False)
     ("taken", "retries_done", "retry"),
     [
         ([], 0, False),
-        ([KV_PORT], 0, True),
-        ([HTTP_PORT, KV_PORT], PORT_RETRIES - 1, True),
-        ([KV_PORT], PORT_RETRIES, False),  # gave up
+        ([HTTP_PORT], 0, True),
+        ([HTTP_PORT], PORT_RETRIES - 1, True),
+        ([HTTP_PORT], PORT_RETRIES, False),  # gave up
         ([GIVEN], 0, False),  # --port: not the engine's to change
-        ([KV_PORT, MASTER_PORT], 0, False),  # the other ranks already use the master port
+        ([HTTP_PORT, MASTER_PORT], 0, False),  # the other ranks already use the master port
     ],
 )
 def test_can_retry(taken: list[EnginePort], retries_done: int, retry: bool) -> None:
@@ -76,18 +72,18 @@ def test_can_retry(taken: list[EnginePort], retries_done: int, retry: bool) -> N
     ("taken", "retries_done", "message"),
     [
         (
-            [KV_PORT],
+            [HTTP_PORT],
             PORT_RETRIES,
-            "vLLM exited: the KV-event publisher's port 20002 is in use by another process "
+            "vLLM exited: the HTTP server's port 20001 is in use by another process "
             f"(Address already in use); gave up after {PORT_RETRIES} restart(s) of vLLM on new "
             "ports",
         ),
         (
-            [GIVEN, KV_PORT],
+            [GIVEN, MASTER_PORT],
             0,
-            "vLLM exited: the HTTP server's port 8000 and the KV-event publisher's port 20002 "
-            "are in use by another process (Address already in use); port 8000 was given to "
-            "the engine, so it is not replaced: free it or pass another",
+            "vLLM exited: the HTTP server's port 8000 and the torch.distributed rendezvous's "
+            "port 29500 are in use by another process (Address already in use); port 8000, "
+            "port 29500 was given to the engine, so it is not replaced: free it or pass another",
         ),
     ],
 )
@@ -105,13 +101,11 @@ def test_describe_one_port() -> None:
 
 
 def test_taken_ports_and_respec() -> None:
-    ports = [HTTP_PORT, KV_PORT, EnginePort(KV_REPLAY, 20003, True)]
-    taken = taken_ports(ports, lambda p: p.port != 20002)
-    assert taken == [KV_PORT]
-    spec = EngineSpec("/m", "m", "vllm", "python", "0.0.0.0", 20001, kv_events_port=20002,
-                      kv_replay_port=20003)  # fmt: skip
-    new = respec(spec, {KV_EVENTS: 21002, HTTP: 21001})
-    assert (new.port, new.kv_events_port, new.kv_replay_port) == (21001, 21002, 20003)
+    ports = [HTTP_PORT, MASTER_PORT]
+    taken = taken_ports(ports, lambda p: p.port != 20001)
+    assert taken == [HTTP_PORT]
+    spec = EngineSpec("/m", "m", "vllm", "python", "0.0.0.0", 20001)
+    assert respec(spec, {HTTP: 21001}).port == 21001
 
 
 # The real engine supervision, with the simulated engine (a process that binds its ports at
@@ -139,21 +133,16 @@ def test_a_chosen_port_taken_before_vllm_binds_it_is_replaced(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     runner = _runner(tmp_path)
-    reserved = {r.port for r in runner.reservations}
-    assert reserved == {runner.port, runner.spec.kv_events_port, runner.spec.kv_replay_port}
-    taken = runner.spec.kv_events_port
-    foreign = _listen(taken, "0.0.0.0")
+    assert {r.port for r in runner.reservations} == {runner.port}
+    taken = runner.port
+    foreign = _listen(taken)
     try:
         with caplog.at_level(logging.WARNING):
             runner.launch_vllm()
-        assert runner.spec.kv_events_port != taken
-        assert f"the KV-event publisher's port {taken} is in use by another process" in (
-            caplog.text
-        )
+        assert runner.port != taken
+        assert f"the HTTP server's port {taken} is in use by another process" in caplog.text
         assert "retry 1 of" in caplog.text
-        assert {r.port for r in runner.reservations} == {
-            runner.port, runner.spec.kv_events_port, runner.spec.kv_replay_port
-        }  # fmt: skip
+        assert {r.port for r in runner.reservations} == {runner.port}
     finally:
         foreign.close()
         assert runner.stop_vllm() == 0

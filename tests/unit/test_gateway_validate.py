@@ -124,7 +124,7 @@ def test_continuous_usage_is_kept_for_the_end_and_cut_out_when_not_asked(
         (b'{"error": {"message": "as is", "type": "x", "param": null, "code": 400}}', "as is"),
         (b'{"object": "error", "message": "flat", "type": "BadRequestError", "code": 400}', "flat"),
         (b"Not Found", "The engine answered 404: Not Found"),
-        (b"", "The engine answered 404: no detail"),
+        (b"", "The engine refused this request (HTTP 404) and gave no detail"),
     ],
 )
 def test_engine_errors_come_back_in_openai_shape(payload: bytes, message: str) -> None:

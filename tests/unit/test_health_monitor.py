@@ -163,16 +163,16 @@ def test_a_check_round_probes_the_engine(tmp_path: Path) -> None:
 def test_giving_up_kills_vllm_and_its_stopped_children() -> None:
     import os
     import signal
-    import subprocess
     import time
 
-    from hpcserve.engine_launch.engine import EngineOptions, EngineRunner, _descendants
+    from hpcserve.engine_launch.engine import EngineOptions, EngineRunner
+    from hpcserve.engine_launch.process_tree import VllmTree
 
     runner = EngineRunner(EngineOptions("/nonexistent", "m", "tcp://127.0.0.1:1", engine="sim"))
     # A stand-in for vLLM: an API process with a child "core" that is stopped (SIGSTOP).
-    runner.process = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"])
+    runner.process = tree = VllmTree(["bash", "-c", "sleep 300 & sleep 300 & wait"], dict(os.environ))
     deadline = time.monotonic() + 30
-    while len(children := _descendants(runner.process.pid)) < 2:
+    while len(children := [p for p in tree.members() if p != tree.pid]) < 2:
         assert time.monotonic() < deadline, f"bash started {len(children)} of its 2 children"
         time.sleep(0.02)
     assert len(children) == 2

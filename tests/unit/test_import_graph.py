@@ -44,7 +44,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # The contracts and the Slurm client stand on nothing of ours.
     "contracts": (),
     "slurm": (),
-    "config": ("contracts.health_policy",),
+    # config checks the health tables and (pools[].tool_call_parser) vLLM's parser names.
+    "config": ("contracts.health_policy", "contracts.engine_args"),
     "ports": ("port_reservations",),
     "port_reservations": (),
     "logs": (),

@@ -20,22 +20,23 @@ def config_of(argv):
     return json.loads(argv[argv.index("--kv-events-config") + 1])
 
 
-def test_kv_events_publisher_binds_every_interface_with_replay_and_topic():
-    argv = vllm_argv(spec(kv_events_port=7001, kv_replay_port=7002, kv_events_topic="r-1"))
+def test_kv_events_publisher_binds_ipc_in_the_private_directory_with_replay_and_topic():
+    argv = vllm_argv(spec(kv_events_dir="/tmp/hpcserve-kv-x", kv_events_topic="r-1"))
     assert "--enable-prefix-caching" not in argv  # default on; forcing it breaks BERT pools
+    # Never tcp: any user of the node reaches a TCP port, loopback included.
     assert config_of(argv) == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:7001",
-        "replay_endpoint": "tcp://*:7002",
+        "endpoint": "ipc:///tmp/hpcserve-kv-x/events",
+        "replay_endpoint": "ipc:///tmp/hpcserve-kv-x/replay",
         "topic": "r-1",
     }
 
 
-def test_no_events_without_a_port_or_when_the_user_configured_them():
+def test_no_events_without_a_directory_or_when_the_user_configured_them():
     assert "--kv-events-config" not in vllm_argv(spec())
     own = ["--kv-events-config", '{"enable_kv_cache_events": false}']
-    argv = vllm_argv(spec(kv_events_port=7001, extra_args=own))
+    argv = vllm_argv(spec(kv_events_dir="/tmp/kv", extra_args=own))
     assert argv.count("--kv-events-config") == 1 and config_of(argv) == {
         "enable_kv_cache_events": False
     }

@@ -1,0 +1,192 @@
+"""Issue 18, the socket half, as another cluster user sees it: a router with CURVE keys and
+a real vLLM CPU engine started by `hpcserve engine`, and a second, unprivileged Unix user
+(tests/unprivileged.py) on the same host. vLLM publishes its KV-cache events (every prompt's
+token ids) on ipc:// sockets in a directory only the service account may enter, and the
+engine's agent relays them to the router over CURVE: the probe user cannot even connect to
+the publisher or the replay socket (permission denied), and the router's KV relay socket,
+its routing socket and its registry socket refuse it at the handshake (no key), so it
+registers no replica and no routing message of its reaches the router. The stack's own
+events still arrive: the index fills from a prompt sent to vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hpcserve.contracts import protocol as p
+from hpcserve.contracts.curve import generate_keys
+from hpcserve.router.server import RouterServer
+from hpcserve.tinymodels import make_tiny_model
+from tests.integration.slurm_helpers import wait_for
+from tests.routers import loopback_router_config, running_router
+from tests.unprivileged import probe_user, readable_by_probe, run_python_as
+
+pytestmark = pytest.mark.vllm
+
+
+@dataclass
+class Running:
+    router: RouterServer
+    keys: Path
+    engine: subprocess.Popen[bytes]
+    log: Path
+    url: str  # vLLM's
+    kv_dir: Path  # where vLLM's KV-event sockets are
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    probe_user()  # skips unless root, before anything starts
+    tmp = tmp_path_factory.mktemp("sockets")
+    keys = generate_keys(tmp / "curve")
+    model = make_tiny_model("chat", tmp / "tiny-chat")
+    config = loopback_router_config(curve_dir=str(keys), lease_s=10.0, heartbeat_s=1.0)
+    log = tmp / "engine.log"
+    with running_router(config) as router, log.open("w") as out:
+        engine = subprocess.Popen(
+            [sys.executable, "-m", "hpcserve.cli", "engine", "--engine", "vllm-cpu",
+             "--model-path", str(model), "--served-model-name", "tiny", "--pool", "sec",
+             "--router", config.registry_bind, "--curve-dir", str(keys),
+             "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
+             "--heartbeat-s", "1", "--drain-s", "1",
+             "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"],
+            stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )  # fmt: skip
+        try:
+            replica = wait_for(
+                "the engine registered",
+                lambda: next(iter(router.registry), None) or _exited(engine, log),
+                timeout=600,
+            )
+            assert replica.spec.kv_events_relayed and not replica.spec.kv_events_endpoint
+            (events,) = set(re.findall(r"ipc://([^\s\"',]+?)/events", log.read_text()))
+            yield Running(router, keys, engine, log, replica.spec.url, Path(events))
+        finally:
+            engine.terminate()
+            engine.wait(120)
+
+
+def _exited(engine: subprocess.Popen[bytes], log: Path) -> None:
+    assert engine.poll() is None, log.read_text()[-3000:]
+
+
+def test_the_stacks_own_kv_events_reach_the_router_through_the_agent(running: Running) -> None:
+    ingest = running.router.kv_events.metrics.ingest
+    before = ingest.blocks
+    prompt = "The router learns which engine holds which prefix. " * 40  # > 2 blocks of 128
+    reply = httpx.post(
+        running.url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    wait_for("BlockStored relayed to the router", lambda: ingest.blocks > before, timeout=60)
+    assert running.router.kv_events.metrics.bad._value.get() == 0
+    assert "relaying KV events of" in running.log.read_text()
+
+
+CONNECT_AS_PROBE = """
+import json, socket, sys
+out = {}
+for name in ("events", "replay"):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sys.argv[1] + "/" + name)
+        out[name] = "connected"
+    except OSError as err:
+        out[name] = type(err).__name__
+    finally:
+        s.close()
+try:
+    import os
+    os.listdir(sys.argv[1])
+    out["list"] = "listed"
+except OSError as err:
+    out["list"] = type(err).__name__
+print(json.dumps(out))
+"""
+
+
+def test_another_user_cannot_reach_vllms_kv_event_sockets(running: Running) -> None:
+    directory = running.kv_dir
+    assert directory.stat().st_mode & 0o777 == 0o700
+    assert (directory / "events").exists() and (directory / "replay").exists()
+    run = run_python_as(CONNECT_AS_PROBE, str(directory))
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == {
+        "events": "PermissionError",
+        "replay": "PermissionError",
+        "list": "PermissionError",
+    }
+
+
+# A ZeroMQ peer as the probe user: connects (plain, or CURVE with a key pair of its own and
+# a guess at the server's key), sends one message, and prints what its handshake came to.
+ZMQ_AS_PROBE = """
+import sys, zmq
+from zmq.utils.monitor import recv_monitor_message
+endpoint, kind, payload = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+ctx = zmq.Context()
+sock = ctx.socket(zmq.DEALER)
+sock.linger = 0
+if kind == "curve":
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.curve_serverkey = zmq.curve_keypair()[0]
+monitor = sock.get_monitor_socket()
+sock.connect(endpoint)
+sock.send(payload)
+names = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded",
+         zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused",
+         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "refused",
+         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "refused",
+         zmq.EVENT_DISCONNECTED: "refused"}
+outcome = "no event"
+while monitor.poll(30000):
+    event = recv_monitor_message(monitor)["event"]
+    if event in names:
+        outcome = names[event]
+        break
+print(outcome)
+"""
+
+
+def _probe_zmq(endpoint: str, kind: str, message: bytes) -> str:
+    run = run_python_as(ZMQ_AS_PROBE, endpoint, kind, message.hex(), timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_the_routers_sockets_refuse_another_user(running: Running) -> None:
+    router, config = running.router, running.router.config
+    routing = router._routing
+    assert routing is not None
+    refused = routing.refused
+    usage = p.QuotaReport(1, "probe", [p.TenantUsage("team-a", requests=10**6)])
+    for kind in ("plain", "curve"):
+        # The routing socket: a listing, and a quota report that would inflate a tenant.
+        assert _probe_zmq(config.routing_bind, kind, p.encode(p.ListReplicas(1))) == "refused"
+        assert _probe_zmq(config.routing_bind, kind, p.encode(usage)) == "refused"
+        # The registry: a replica of its own, pointing at its own server.
+        fake = p.Register("planted", "tiny", "http://127.0.0.1:9", kv_events_relayed=True)
+        assert _probe_zmq(config.registry_bind, kind, p.encode(fake)) == "refused"
+        # The KV relay socket: events for the real replica's topic.
+        assert _probe_zmq(router.kv_events.relay_endpoint, kind, b"kv") == "refused"
+    # Each of its routing connections ended at the handshake (counted as the router reads
+    # the greeting or HELLO, which may be after the probe saw its connection fail).
+    wait_for("the probes' routing connections refused", lambda: routing.refused >= refused + 4)
+    assert [r.replica_id for r in router.registry if r.replica_id == "planted"] == []
+    assert "team-a" not in router.quotas._by_tenant  # no usage of its was ever booked
+    # And it cannot read the keys that would let it in.
+    assert not readable_by_probe(running.keys / "engine.key_secret")
+    assert not readable_by_probe(running.keys / "gateway.key_secret")
