@@ -49,8 +49,10 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
 def test_another_server_on_the_gateway_port_is_not_the_gateway(
     squatter: int, sleeper: subprocess.Popen[bytes], tmp_path: Path
 ) -> None:
+    token = tmp_path / "metrics-token"
+    token.write_text("t\n")
     with pytest.raises(TimeoutError, match=r"gateway .* not up"):
-        _wait_gateway(f"http://127.0.0.1:{squatter}", {"gateway": sleeper}, tmp_path, 0.5)
+        _wait_gateway(f"http://127.0.0.1:{squatter}", {"gateway": sleeper}, tmp_path, token, 0.5)
 
 
 def test_a_service_that_exited_is_named_with_its_last_log_lines(tmp_path: Path) -> None:
