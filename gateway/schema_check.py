@@ -397,13 +397,14 @@ def check_grammar(grammar: str, param: str) -> None:
         else:
             xgrammar.Grammar.from_ebnf(grammar)
     except Exception as err:  # xgrammar raises RuntimeError (EBNF) and ValueError (Lark)
-        detail = str(err).rsplit(": ", 1)[-1] if "EBNF" not in str(err) else str(err)
-        detail = detail.split("] ", 1)[-1].strip()[:300]
+        detail = _XGRAMMAR_SOURCE.sub("", str(err)).strip()[:300]
         raise bad_request(
-            f"{param} is not a {'Lark' if lark else 'EBNF'} grammar the engine can parse: "
+            f"{param} is not {'a Lark' if lark else 'an EBNF'} grammar the engine can parse: "
             f"{detail}",
             param=param,
         ) from None
 
 
 _GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
+# "[20:37:16] /project/cpp/grammar_parser.cc:820: " before xgrammar's own message
+_XGRAMMAR_SOURCE = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

@@ -193,8 +193,8 @@ def test_whatever_the_gateway_accepts_xgrammar_compiles(compiler: Any, schema: A
 @pytest.mark.parametrize(
     ("grammar", "needle"),
     [
-        ("root ::= ", "not a EBNF grammar"),
-        ('root ::= "a" | b', "not a EBNF grammar"),
+        ("root ::= ", "not an EBNF grammar the engine can parse: EBNF parser error"),
+        ('root ::= "a" | b', "not an EBNF grammar"),
         ('start: "a" | b', "not a Lark grammar"),
         ("   ", "is empty"),
         ("x" * 100_001, "over the gateway's limit"),
