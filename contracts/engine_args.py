@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# vLLM's block size when --block-size is not given: 128 on the CPU build, 16 on GPUs
+# (and in the simulator, which models a GPU).
 DEFAULT_BLOCK_SIZE = {"vllm-cpu": 128, "vllm": 16, "sim": 16}
 
 

@@ -79,8 +79,6 @@ def _multinode_args(spec: EngineSpec) -> list[str]:
     ]  # fmt: skip
 
 
-# vLLM's block size when --block-size is not given: 128 on the CPU build, 16 on GPUs
-# (and in the simulator, which models a GPU).
 def block_size(spec: EngineSpec) -> int:
     return engine_block_size(spec.engine, spec.extra_args)
 
