@@ -223,6 +223,7 @@ class Stack:
         config = parse_config({
             "state_dir": str(state),
             "router": {"registry_bind": registry, "routing_bind": routing, "metrics_port": 0,
+                       "allow_plain_loopback": True,  # the sim fleet registers without keys
                        "routing": {"batch_lend_below": args.lend_below}},
             "gateway": {"port": self.port, "upstream_timeout_s": 3600,
                         "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}]},
@@ -387,7 +388,8 @@ class Stack:
             "batch-runner",
             cpus=self.args.runner_cpus,
         )
-        wait_http(self.batch_metrics_url, self.runner, "batch runner")
+        healthz = f"http://127.0.0.1:{self.runner_metrics_port}/healthz"  # open, unlike /metrics
+        wait_http(healthz, self.runner, "batch runner")
 
     def start_gateway(self) -> None:
         hpcserve = [sys.executable, "-m", "hpcserve.cli"]

@@ -113,6 +113,7 @@ def main() -> None:
         "registry_bind": f"tcp://127.0.0.1:{free_port()}",
         "routing_bind": f"tcp://127.0.0.1:{free_port()}",
         "metrics_port": 0,
+        "allow_plain_loopback": True,  # its agent registers without keys
     }
     gateway_port, engine_port = free_port(), free_port()
     config = parse_config(

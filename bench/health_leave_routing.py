@@ -46,6 +46,7 @@ def start_router() -> RouterServer:
         lease_s=LEASE_S,
         heartbeat_s=HEARTBEAT_S,
         metrics_port=0,
+        allow_plain_loopback=True,  # one user's benchmark on loopback
     )
     server = RouterServer(config)
     server.bind()

@@ -66,7 +66,8 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = make_tiny_model("chat", Path(tempfile.mkdtemp(prefix="hints-")) / "chat")
     hints = RouteHints()
-    hints.add_model("m", PromptTokenizer.from_dir(model_dir), 16)
+    # Prompt cache off: every round tokenizes its prompt (what is measured), none is a hit.
+    hints.add_model("m", PromptTokenizer.from_dir(model_dir), 16, cache_bytes=0)
     gateway = gateway_app.Gateway(
         GatewayConfig(), routing_endpoint="tcp://127.0.0.1:9", configured_models={"m"}
     )

@@ -11,6 +11,18 @@ Targets, interleaved, medians of ROUNDS:
   + audit   + the audit log (gateway.audit_log): one JSON line per request, to a file
   + tracing + request spans (exported by the gateway's background thread to an exporter that
             drops them): everything on
+  + hints-cold  + prefix hints for KV-aware routing (2 replicas, so they count) with the prompt
+            cache off: every prompt rendered with its chat template, tokenized and hashed
+  + hints   + the prompt cache on (gateway.prompt_cache_mb): the default deployment, every
+            feature but tracing on
+  sglang-router, vllm-router  the Rust routers' cache_aware policy, when `--rust-venv` names
+            a virtual environment they are installed in (never the project's)
+Bodies (the default, `--bodies chat`): chat requests of 1k-4k tokens for a realistic
+tokenizer (byte-level BPE, 32k entries, trained here on generated text, Llama-3 special tokens
+and chat template): 16 conversations over 4 shared system prompts with multi-turn histories;
+wrk cycles through them and puts a new number into each request's last user turn, so the
+gateway sees a new last turn every time (case "chat"), or, in case "repeat", the same bodies
+again (a prompt cache holds them whole). `--bodies small`: the old fixed ~1.2 KB body.
 The upstream answers with fixed bytes, so the proxy is what is measured: nginx by default
 (`return 200` with a fixed completion, or, for a request marked `X-Request-Id: bench-stream`,
 the 16-event SSE body vLLM streams for the gateway's request: the usage so far on every
@@ -22,7 +34,8 @@ gateway has one core, so this is per core) and the gateway's CPU time per reques
 before and after is printed with the table.
 
     .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
-        [--upstream nginx|python] [--only relay,tracing]
+        [--upstream nginx|python] [--only relay,tracing] [--bodies chat|small]
+        [--cases chat1,chat,stream1,stream,repeat] [--rust-venv DIR]
 
 Needs wrk (Debian package `wrk`) and, by default, nginx (`nginx-light`). Prints a markdown
 table and writes bench/results/proxy_overhead.json.
@@ -105,6 +118,134 @@ SSE = (
 STREAM_MARK = "bench-stream"
 
 
+# -- a realistic tokenizer and chat workload -----------------------------------------------
+
+VOCAB = 32768
+BLOCK_SIZE = 16  # vLLM's default KV block
+COUNTER = "@@N@@"  # wrk puts a request counter here (the last user turn)
+_ONSETS = [
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "br",
+    "ch",
+    "cl",
+    "dr",
+    "fl",
+    "gr",
+    "pl",
+    "qu",
+    "sh",
+    "st",
+    "th",
+    "tr",
+]
+_NUCLEI = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "io", "oo", "ou", "y"]
+_CODAS = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "rk", "st", "x"]
+
+
+class _Text:
+    """Generated English-like text: Zipf-distributed invented words (numpy, seeded)."""
+
+    def __init__(self, seed: int = 23, words: int = 60_000) -> None:
+        import numpy as np
+
+        self.rng = np.random.default_rng(seed)
+        rng = self.rng
+        lexicon = []
+        for _ in range(words):
+            syllables = int(rng.integers(1, 5))
+            lexicon.append("".join(
+                _ONSETS[rng.integers(len(_ONSETS))] + _NUCLEI[rng.integers(len(_NUCLEI))]
+                + _CODAS[rng.integers(len(_CODAS))] for _ in range(syllables)
+            ))  # fmt: skip
+        self.lexicon = np.array(lexicon, dtype=object)
+        weights = 1.0 / np.arange(1, words + 1)
+        self.p = weights / weights.sum()
+
+    def words(self, n: int) -> list[str]:
+        return list(self.lexicon[self.rng.choice(len(self.lexicon), size=n, p=self.p)])
+
+    def sentences(self, n_words: int) -> str:
+        words = self.words(n_words)
+        for i in range(11, len(words), 12):
+            words[i] += "."
+        return " ".join(words)
+
+
+def bench_model_dir(work: Path) -> Path:
+    """tokenizer.json (byte-level BPE of VOCAB entries trained on generated text, Llama-3
+    special tokens) and tokenizer_config.json (the Llama-3 chat template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    from hpcserve.tinymodels import CHAT_SPECIAL_TOKENS, EOT, LLAMA3_CHAT_TEMPLATE
+
+    out = work / f"bench-model-{VOCAB}-v1"
+    if (out / "tokenizer_config.json").exists():  # made by an earlier run: deterministic
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    text = _Text(seed=11)
+    lines = [text.sentences(24) + f" {i}" for i in range(80_000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=list(CHAT_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"bos_token": CHAT_SPECIAL_TOKENS[0], "eos_token": EOT,
+              "chat_template": LLAMA3_CHAT_TEMPLATE}  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def chat_conversations(n: int = 16, systems: int = 4, seed: int = 5) -> list[list[dict[str, str]]]:
+    """`n` conversations over `systems` shared system prompts, 1k-4k tokens each with the
+    bench tokenizer; the last user turn holds COUNTER."""
+    text = _Text(seed=seed)
+    rng = text.rng
+    prompts = [text.sentences(int(rng.integers(220, 380))) for _ in range(systems)]
+    conversations = []
+    for i in range(n):
+        messages = [{"role": "system", "content": prompts[i % systems]}]
+        for _ in range(int(rng.integers(1, 11))):
+            messages.append({"role": "user", "content": text.sentences(int(rng.integers(15, 60)))})
+            messages.append(
+                {"role": "assistant", "content": text.sentences(int(rng.integers(20, 90)))}
+            )
+        ask = text.sentences(int(rng.integers(10, 40)))
+        messages.append({"role": "user", "content": f"Question {COUNTER}: {ask}"})
+        conversations.append(messages)
+    return conversations
+
+
+def chat_body(messages: list[dict[str, str]], *, stream: bool) -> bytes:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 64}
+    if stream:
+        body["stream"] = True
+    return json.dumps(body).encode()
+
+
 # -- the stand-in upstream ---------------------------------------------------------------
 
 
@@ -185,7 +326,10 @@ http {{
 
 # -- the feature ladder: the same gateway with features switched on one at a time ---------
 
-FEATURES = ("relay", "auth", "quotas", "routing", "metrics", "audit", "tracing")
+FEATURES = (
+    "relay", "auth", "quotas", "routing", "metrics", "audit", "hints-cold", "hints", "tracing",
+)  # fmt: skip
+RUST_ROUTERS = ("sglang-router", "vllm-router")
 
 
 class _NullMetric:
@@ -272,7 +416,7 @@ def plain_relay_app(upstream: str):  # type: ignore[no-untyped-def]
     )
 
 
-def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
+def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str) -> None:
     import uvicorn
 
     from hpcserve.config import load_config
@@ -304,6 +448,15 @@ def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
             gateway.routing = _StaticRouting(upstream)  # type: ignore[assignment]
         if rung < FEATURES.index("metrics"):
             gateway.metrics = _NullMetrics()  # type: ignore[assignment]
+        if rung >= FEATURES.index("hints-cold"):
+            from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
+            from hpcserve.gateway.route_hints import register_cache_metrics
+
+            hints = RouteHints()
+            cache_bytes = 0 if feature == "hints-cold" else config.gateway.prompt_cache_mb << 20
+            hints.add_model(MODEL, PromptTokenizer.from_dir(model_dir), BLOCK_SIZE, cache_bytes)
+            gateway.route_hints = hints
+            register_cache_metrics(gateway.metrics_registry, hints)
         app = build_app(gateway)
     uvicorn.run(
         app,
@@ -320,20 +473,44 @@ def serve_gateway(config_path: str, feature: str, upstream: str) -> None:
 # -- the driver ---------------------------------------------------------------------------
 
 
-def run_wrk(
-    url: str, body_file: Path, connections: int, seconds: int, *, stream: bool
-) -> dict[str, float]:
-    lua = body_file.with_suffix(".lua")
-    lua.write_text(
-        'wrk.method = "POST"\n'
-        f'wrk.body = io.open("{body_file}"):read("*a")\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
-        + (f'wrk.headers["X-Request-Id"] = "{STREAM_MARK}"\n' if stream else "")
-    )
+def wrk_script(work: Path, bodies: list[bytes], *, stream: bool, fresh: bool) -> Path:
+    """A wrk script cycling through `bodies`; `fresh`: each request's COUNTER a new number
+    (one never sent before in this run), else "0" (the same bodies again)."""
+    global _scripts
+    _scripts += 1
+    table = []
+    for body in bodies:
+        head, _, tail = body.decode().partition(COUNTER)
+        assert "]==]" not in head + tail
+        table.append(f"{{[==[{head}]==], [==[{tail}]==]}}")
+    start = _scripts * 10_000_000
+    number = "tostring(counter)" if fresh else "0"
+    lines = [
+        f"local bodies = {{{', '.join(table)}}}",
+        f"local i, n, counter = 0, #bodies, {start}",
+        'wrk.method = "POST"',
+        'wrk.headers["Content-Type"] = "application/json"',
+        f'wrk.headers["Authorization"] = "Bearer {KEY}"',
+        *([f'wrk.headers["X-Request-Id"] = "{STREAM_MARK}"'] if stream else []),
+        "request = function()",
+        "  i = i % n + 1",
+        "  counter = counter + 1",
+        "  local b = bodies[i]",
+        f"  return wrk.format(nil, nil, nil, b[1] .. {number} .. b[2])",
+        "end",
+    ]
+    path = work / f"wrk-{_scripts}.lua"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+_scripts = 0
+
+
+def run_wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str, float]:
     out = subprocess.run(
         ["taskset", "-c", "1", "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
-         "-s", str(lua), url],
+         "-s", str(script), url],
         capture_output=True,
         text=True,
         check=True,
@@ -373,9 +550,27 @@ def main() -> None:
         help="comma-separated targets to run (default: all), e.g. relay,tracing",
     )
     parser.add_argument(
+        "--bodies",
+        choices=("chat", "small"),
+        default="chat",
+        help="chat: 1k-4k-token multi-turn chats (default); small: the old ~1.2 KB body",
+    )
+    parser.add_argument(
+        "--cases",
+        default="chat1,chat,stream1,repeat",
+        help="of chat1, chat (at --concurrency), stream1, stream, repeat (the same bodies "
+        "again, at --concurrency)",
+    )
+    parser.add_argument(
+        "--rust-venv",
+        default="",
+        help="a virtual environment with sglang-router and/or vllm-router installed (pip): "
+        "measured beside the gateway with their cache_aware policy",
+    )
+    parser.add_argument(
         "--serve-gateway",
-        nargs=3,
-        metavar=("CONFIG", "FEATURE", "UPSTREAM"),
+        nargs=4,
+        metavar=("CONFIG", "FEATURE", "UPSTREAM", "MODEL_DIR"),
         help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
@@ -391,6 +586,7 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     upstream_port = free_port()
     py = sys.executable
+    only = [t for t in args.only.split(",") if t]
 
     def spawn(argv: list[str], core: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
@@ -399,6 +595,32 @@ def main() -> None:
         )  # fmt: skip
         procs.append(proc)
         return proc
+
+    # The bodies, as (chat, stream) lists; COUNTER is replaced per request by wrk.
+    if args.bodies == "chat":
+        conversations = chat_conversations()
+        chat = [chat_body(m, stream=False) for m in conversations]
+        streamed = [chat_body(m, stream=True) for m in conversations]
+    else:
+        chat, streamed = [CHAT_BODY], [CHAT_BODY[:-1] + b', "stream": true}']
+    model_dir = ""
+    if any(f.startswith("hints") or f == "tracing" for f in only or FEATURES):
+        started = time.monotonic()
+        model_dir = str(bench_model_dir(Path(tempfile.gettempdir())))
+        from hpcserve.contracts.prompt_tokens import PromptTokenizer
+
+        tok = PromptTokenizer.from_dir(model_dir)
+        sizes = (
+            sorted(len(tok.chat_tokens(m)) for m in conversations) if args.bodies == "chat" else []
+        )
+        print(
+            f"tokenizer: vocab {tok.tokenizer.get_vocab_size()}, trained in "
+            f"{time.monotonic() - started:.0f} s; prompts of {sizes[:1]}..{sizes[-1:]} tokens "
+            f"(median {statistics.median(sizes) if sizes else 0:.0f}), bodies of "
+            f"{min(map(len, chat))}-{max(map(len, chat))} bytes",
+            file=sys.stderr,
+            flush=True,
+        )
 
     results: dict[str, dict[str, list[dict[str, float]]]] = {}
     load_before = os.getloadavg()
@@ -415,13 +637,14 @@ def main() -> None:
             "registry_bind": f"tcp://127.0.0.1:{free_port()}",
             "routing_bind": f"tcp://127.0.0.1:{free_port()}",
             "metrics_port": 0,
+            "allow_plain_loopback": True,
         }
         keys = [{"tenant": "bench", "sha256": hash_api_key(KEY)}]
-        config = parse_config({"router": router_cfg, "gateway": {"api_keys": keys}})
+        state = {"state_dir": str(work / "state")}
+        config = parse_config({**state, "router": router_cfg, "gateway": {"api_keys": keys}})
         (work / "router.toml").write_text(dump_config(config))
         spawn([py, "-m", "hpcserve.cli", "router", "--config", str(work / "router.toml")], "1")
-        gateways: dict[str, tuple[str, int]] = {}
-        only = [t for t in args.only.split(",") if t]
+        targets: dict[str, tuple[str, int]] = {"direct": (upstream, 0)}
         for feature in FEATURES:
             if only and feature not in only:
                 continue
@@ -433,6 +656,7 @@ def main() -> None:
             )
             cfg = parse_config(
                 {
+                    **state,
                     "router": router_cfg,
                     "gateway": {
                         "port": port,
@@ -445,62 +669,97 @@ def main() -> None:
             path.write_text(dump_config(cfg))
             proc = spawn(
                 [py, str(ROOT / "bench" / "proxy_overhead.py"), "--serve-gateway", str(path),
-                 feature, upstream],
+                 feature, upstream, model_dir],
                 "0",
             )  # fmt: skip
-            gateways[feature] = (f"http://127.0.0.1:{port}", proc.pid)
+            targets[feature] = (f"http://127.0.0.1:{port}", proc.pid)
+        rust_versions: dict[str, str] = {}
+        if args.rust_venv:
+            for name in RUST_ROUTERS:
+                if only and name not in only:
+                    continue
+                venv = Path(args.rust_venv)
+                version = subprocess.run(
+                    [str(venv / "bin" / "pip"), "show", name], capture_output=True, text=True
+                ).stdout
+                if "Version:" not in version:
+                    print(f"{name}: not installed in {venv}, left out", file=sys.stderr)
+                    continue
+                rust_versions[name] = version.split("Version:")[1].split()[0]
+                port = free_port()
+                launch = (
+                    [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router",
+                     "--prometheus-port", str(free_port())]
+                    if name == "sglang-router"
+                    else [str(venv / "bin" / "vllm-router")]
+                )  # fmt: skip
+                workers = [upstream, f"http://localhost:{upstream_port}"]
+                proc = spawn([*launch, "--host", "127.0.0.1", "--port", str(port),
+                              "--worker-urls", *workers, "--policy", "cache_aware",
+                              "--log-level", "warn" if name == "sglang-router" else "warning"],
+                             "0")  # fmt: skip
+                targets[name] = (f"http://127.0.0.1:{port}", proc.pid)
         wait_http(upstream + "/")
-        for feature, (url, _) in gateways.items():
+        for feature, (url, _) in targets.items():
             # The plain relay has no /health: any answer (a 404) means it is up.
-            wait_http(url + ("/v1/models" if feature == "relay" else "/health"))
+            wait_http(url + ("/v1/models" if feature == "relay" else "/health"), 60)
 
-        agent = RegistryAgent(
-            router_cfg["registry_bind"], p.Register("bench-replica", MODEL, upstream)
-        )
+        # Two replicas (one upstream): prefix hints are skipped for a model with one.
+        agents = [
+            RegistryAgent(router_cfg["registry_bind"], p.Register(f"bench-{n}", MODEL, upstream))
+            for n in ("a", "b")
+        ]
         stop = threading.Event()
 
         def heartbeat() -> None:
-            agent.register()
+            for agent in agents:
+                agent.register()
             while not stop.is_set():
-                agent.heartbeat(p.ReplicaLoad())
-                agent.process_replies(1.0)  # returns at the ack: not a sleep
+                for agent in agents:
+                    agent.heartbeat(p.ReplicaLoad())
+                    agent.process_replies(1.0)  # returns at the ack: not a sleep
                 stop.wait(1.0)
 
         beat = threading.Thread(target=heartbeat, daemon=True)
         beat.start()
-        time.sleep(1.5)
+        time.sleep(3)  # registered, and in every gateway's routing view (replica_view_s 2 s)
 
-        bodies = {"chat": work / "chat.json", "stream": work / "stream.json"}
-        bodies["chat"].write_bytes(CHAT_BODY)
-        bodies["stream"].write_bytes(CHAT_BODY[:-1] + b', "stream": true}')
-        targets = {"direct": (upstream, 0), **gateways}
         many = args.concurrency
-        cases = [("chat", 1), ("chat", many), ("stream", 1), ("stream", many)]
+        kinds = {
+            "chat1": ("chat", 1), "chat": ("chat", many), "stream1": ("stream", 1),
+            "stream": ("stream", many), "repeat": ("repeat", many),
+        }  # fmt: skip
+        cases = [kinds[c] for c in args.cases.split(",") if c]
+        warm = wrk_script(work, chat, stream=False, fresh=False)
+        for base, _ in targets.values():  # warm-up: connections, caches, code paths
+            run_wrk(base + "/v1/chat/completions", warm, 8, 2)
         for round_no in range(args.rounds):
             for case, conns in cases:
                 for name, (base, pid) in targets.items():
                     key = f"{case} c={conns}"
-                    cpu_before = cpu_seconds(pid) if pid else 0.0
-                    r = run_wrk(
-                        base + "/v1/chat/completions",
-                        bodies[case],
-                        conns,
-                        args.seconds,
+                    script = wrk_script(
+                        work,
+                        streamed if case == "stream" else chat,
                         stream=case == "stream",
+                        fresh=case != "repeat",
                     )
+                    cpu_before = cpu_seconds(pid) if pid else 0.0
+                    r = run_wrk(base + "/v1/chat/completions", script, conns, args.seconds)
                     if pid and r["rps"] > 0:
                         used = cpu_seconds(pid) - cpu_before
                         r["cpu_us"] = used / (r["rps"] * args.seconds) * 1e6
                     results.setdefault(key, {}).setdefault(name, []).append(r)
                     print(
-                        f"round {round_no + 1} {key:12s} {name:8s} p50 {r['p50_ms']:7.2f} ms"
-                        f"  p99 {r['p99_ms']:7.2f} ms {r['rps']:8.0f} req/s",
+                        f"round {round_no + 1} {key:12s} {name:13s} p50 {r['p50_ms']:7.2f} ms"
+                        f"  p99 {r['p99_ms']:7.2f} ms {r['rps']:8.0f} req/s"
+                        + (f" {r['cpu_us']:6.0f} us CPU" if "cpu_us" in r else ""),
                         file=sys.stderr,
                         flush=True,
                     )
         stop.set()
         beat.join(3)
-        agent.close()
+        for agent in agents:
+            agent.close()
     finally:
         for proc in procs:
             proc.terminate()
@@ -509,16 +768,23 @@ def main() -> None:
 
     rows = []
     load_after = os.getloadavg()
+    cpu_model = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+         if line.startswith("model name")),
+        "?",
+    )  # fmt: skip
     print(
-        f"\nupstream: {args.upstream}; load average (1/5/15 min) before "
-        f"{'/'.join(f'{x:.2f}' for x in load_before)}, after "
+        f"\n{cpu_model}, {os.cpu_count()} cores; upstream: {args.upstream}; bodies: {args.bodies};"
+        f" medians of {args.rounds} interleaved rounds of {args.seconds} s; load average "
+        f"(1/5/15 min) before {'/'.join(f'{x:.2f}' for x in load_before)}, after "
         f"{'/'.join(f'{x:.2f}' for x in load_after)}"
+        + (f"; {', '.join(f'{k} {v}' for k, v in rust_versions.items())}" if rust_versions else "")
     )
     print(
-        "\n| case | target | p50 | added p50 | p99 | req/s (gateway on 1 core) "
-        "| gateway CPU per request |"
+        "\n| case | target | p50 | added p50 | p99 | req/s (proxy on 1 core) "
+        "| proxy CPU per request | CPU / relay's |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for key, by_target in results.items():
         med = {
             name: {
@@ -528,19 +794,25 @@ def main() -> None:
             }
             for name, runs in by_target.items()
         }
+        relay_cpu = med.get("relay", {}).get("cpu_us")
         for name, m in med.items():
             added = m["p50_ms"] - med["direct"]["p50_ms"]
             cpu = f"{m['cpu_us']:.0f} us" if "cpu_us" in m else "-"
+            ratio = f"{m['cpu_us'] / relay_cpu:.2f}x" if relay_cpu and "cpu_us" in m else "-"
+            label = name if name in ("direct", "relay", *RUST_ROUTERS) else "+ " + name
             print(
-                f"| {key} | {name if name in ('direct', 'relay') else '+ ' + name} | "
+                f"| {key} | {label} | "
                 f"{m['p50_ms']:.2f} ms | {'-' if name == 'direct' else f'+{added:.2f} ms'} | "
-                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} |"
+                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {ratio} |"
             )
             rows.append({"case": key, "target": name, **m})
     meta = {
         "rounds": args.rounds,
         "seconds": args.seconds,
         "upstream": args.upstream,
+        "bodies": args.bodies,
+        "cpu": cpu_model,
+        "rust_routers": rust_versions,
         "load_before": load_before,
         "load_after": load_after,
     }

@@ -138,10 +138,14 @@ ROUTER_SERIES = {
 }
 
 
-def router_counters(port: int) -> dict[str, float]:
+def router_counters(port: int, token_file: Path) -> dict[str, float]:
     """What the router's index predicted (cached tokens on the chosen replica) and the KV
-    events it applied, from its /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+    events it applied, from its /metrics (which asks for the metrics token)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics",
+        headers={"Authorization": f"Bearer {token_file.read_text().strip()}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
         text = resp.read().decode()
     out = dict.fromkeys(ROUTER_SERIES.values(), 0.0)
     for line in text.splitlines():
@@ -183,6 +187,7 @@ class Fleet:
                 "registry_bind": self.registry,
                 "routing_bind": self.routing,
                 "metrics_port": self.router_metrics_port,
+                "allow_plain_loopback": True,  # one user's benchmark; engines hold no keys
                 "routing": {"policy": policy, **routing},
             },
             "gateway": {
@@ -349,7 +354,9 @@ def run_one(
             print(f"{len(failed)} requests failed, e.g. {failed[0]}", file=sys.stderr, flush=True)
         time.sleep(0.5)  # the last request's counters
         after = [engine_counters(u) for u in fleet.engine_urls]
-        router = router_counters(fleet.router_metrics_port)
+        router = router_counters(
+            fleet.router_metrics_port, fleet.work / "state" / "secrets" / "metrics-token"
+        )
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
     hits = sum(d["hits"] for d in delta)
     queries = sum(d["queries"] for d in delta)

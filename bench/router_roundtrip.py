@@ -266,6 +266,7 @@ def main() -> None:
             lease_s=1e6,
             metrics_port=0,
             curve_dir=keys if routing_socket.endswith("-curve") else "",
+            allow_plain_loopback=not routing_socket.endswith("-curve"),  # the plain baselines
         )
         proc = multiprocessing.get_context("fork").Process(
             target=serve, args=(config, routing_socket, args.router_core), daemon=True

@@ -196,6 +196,7 @@ def sim_stack(
                 "registry_bind": registry,
                 "routing_bind": routing_ep,
                 "metrics_port": 0,
+                "allow_plain_loopback": True,  # the simulated fleet registers without keys
                 **({"routing": routing_cfg} if routing_cfg else {}),
             },
             "gateway": {

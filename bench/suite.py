@@ -166,6 +166,14 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=120,  # ~20 s: a simulated day, no processes
     ),
     Benchmark(
+        "pd_goodput",
+        "Disaggregated prefill/decode vs colocated: the planner's goodput against the sim's",
+        "bench/pd_goodput.py --seeds 3 --steps 4",
+        "pd_goodput.json",
+        timeout_s=1800,
+        in_default=False,  # ~15-25 min on 2 busy cores: the chat case simulates ~400 req/s
+    ),
+    Benchmark(
         "sim_vs_vllm",
         "Simulator against real vLLM CPU (same tiny model and requests)",
         "bench/sim_vs_vllm.py",

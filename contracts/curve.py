@@ -13,13 +13,23 @@ Keys (`hpcserve keys`, written once into ``<state_dir>/curve``, secrets mode 060
 The router's registry and KV relay ROUTER sockets are CURVE servers with a ZAP authenticator
 allowing the public keys in ``clients/``; an engine's DEALERs are CURVE clients. The routing
 socket speaks CURVE in our own ZMTP (contracts/zmtp_curve.py) and admits ``gateways/``.
-Plain mode (no ``router.curve_dir``) is refused when any of these binds anything but
-loopback, unless ``router.allow_plain_remote`` says so (a local demo on a private network).
+
+CURVE is the default, loopback included (another user of the host reaches 127.0.0.1 too):
+a config without ``router.curve_dir`` uses ``<state_dir>/curve`` (hpcserve/config.py), and
+the control-plane services (router, gateway, batch runner, pool manager) make its keys at
+their start when it holds none (`ensure_keys`, under a lock, so services starting together
+agree on one set). Keys anywhere else are the site's to make (`hpcserve keys --dir`); a
+missing one is an error naming it. Engines never make keys. Plain mode needs an explicit
+``router.allow_plain_loopback`` (loopback binds only) or ``router.allow_plain_remote`` (any
+bind, a local demo on a private network).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
+import logging
 import os
 from pathlib import Path
 
@@ -27,7 +37,19 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from hpcserve.contracts.private_files import tighten
+from hpcserve.contracts.private_files import private_dir, private_opener, tighten
+
+log = logging.getLogger(__name__)
+
+# The keypairs a complete key directory holds (public halves beside their secrets).
+KEY_FILES = (
+    "router.key",
+    "router.key_secret",
+    "engine.key_secret",
+    "clients/engine.key",
+    "gateway.key_secret",
+    "gateways/gateway.key",
+)
 
 
 class CurveError(RuntimeError):
@@ -38,15 +60,19 @@ def generate_keys(directory: Path, *, force: bool = False) -> Path:
     """Write the router's, the engines' and the gateways' keypairs; refuse to overwrite
     unless `force`. A directory from before the gateway key gets that key added."""
     directory = Path(directory)
-    have_router = (directory / "router.key_secret").exists()
-    have_gateway = (directory / "gateway.key_secret").exists()
+    have_router = all(
+        (directory / name).exists()
+        for name in ("router.key", "router.key_secret", "engine.key_secret", "clients/engine.key")
+    )
+    have_gateway = all(
+        (directory / name).exists() for name in ("gateway.key_secret", "gateways/gateway.key")
+    )
     if have_router and have_gateway and not force:
         raise CurveError(f"{directory} already holds keys (pass --force to replace them)")
-    clients = directory / "clients"
-    gateways = directory / "gateways"
-    clients.mkdir(parents=True, exist_ok=True)
-    gateways.mkdir(parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
+    # Owner-only before the first key is written (zmq writes secrets with the umask's mode).
+    private_dir(directory)
+    clients = private_dir(directory / "clients")
+    gateways = private_dir(directory / "gateways")
     if force or not have_router:
         zmq.auth.create_certificates(str(directory), "router")
         public, _ = zmq.auth.create_certificates(str(directory), "engine")
@@ -59,9 +85,47 @@ def generate_keys(directory: Path, *, force: bool = False) -> Path:
     return directory
 
 
+def default_keys_dir(state_dir: str) -> str:
+    """Where the keys are when the config names no `router.curve_dir`."""
+    return str(Path(state_dir) / "curve")
+
+
+def ensure_keys(curve_dir: str, state_dir: str) -> bool:
+    """Make the keys of `<state_dir>/curve` when it lacks any (True if it made some): the
+    control-plane services call this at start, so a site turns nothing on for CURVE. Several
+    starting at once agree on one set (an exclusive lock around the check and the write).
+    Another directory, or plain mode (""), is left alone: its keys are the site's."""
+    if not curve_dir or Path(curve_dir).absolute() != Path(default_keys_dir(state_dir)).absolute():
+        return False
+    directory = Path(curve_dir)
+    if all((directory / name).exists() for name in KEY_FILES):
+        return False
+    private_dir(directory.parent)
+    private_dir(directory)
+    with open(directory / ".lock", "a+", opener=private_opener) as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if all((directory / name).exists() for name in KEY_FILES):
+                return False  # another service made them meanwhile
+            generate_keys(directory)
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    log.info(
+        "made the CURVE keys in %s (router, engine and gateway keypairs; secrets mode 0600 "
+        "in a 0700 directory)",
+        directory,
+    )
+    return True
+
+
 def _load(path: Path) -> tuple[bytes, bytes | None]:
     if not path.exists():
-        raise CurveError(f"CURVE key {path} is missing (create keys with `hpcserve keys`)")
+        raise CurveError(
+            f"CURVE key {path} is missing (the router, gateway, batch runner and pool manager "
+            "make <state_dir>/curve's keys at start; for another router.curve_dir run "
+            "`hpcserve keys --dir DIR`)"
+        )
     if path.name.endswith(".key_secret"):
         tighten(path)  # owner-only, whoever loosened it (logged once)
         tighten(path.parent)
@@ -105,6 +169,20 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_plain_allowed(
+    curve_dir: str, allow_plain_loopback: bool, allow_plain_remote: bool
+) -> None:
+    """Plain sockets only when the config says so: no key directory is not enough (a config
+    loaded from a file gets `<state_dir>/curve` then; one built in code must choose)."""
+    if curve_dir or allow_plain_loopback or allow_plain_remote:
+        return
+    raise CurveError(
+        "router.curve_dir is empty and plain sockets were not asked for: set router.curve_dir "
+        "(keys from `hpcserve keys`), or router.allow_plain_loopback = true to accept any "
+        "process of this host on the loopback binds"
+    )
 
 
 def check_plain_bind(

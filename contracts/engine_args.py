@@ -3,7 +3,9 @@ pool's engine arguments without starting anything."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 # vLLM's block size when --block-size is not given: 128 on the CPU build, 16 on GPUs
 # (and in the simulator, which models a GPU).
@@ -50,3 +52,72 @@ def tool_call_args(parser: str) -> list[str]:
     if not parser:
         return []
     return ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+
+
+# Disaggregated prefill and decode (pools[].role "prefill" / "decode", docs/disaggregation.md):
+# the KV-transfer connector each engine kind runs. NIXL moves KV between GPUs (RDMA, NVLink)
+# and needs the nixl package; the CPU build uses vLLM's ExampleConnector, which stores each
+# prompt's KV cache (full blocks) as files in a shared directory, keyed by the prompt's tokens.
+NIXL_CONNECTOR = "NixlConnector"
+STORAGE_CONNECTOR = "ExampleConnector"
+PD_ROLES = ("prefill", "decode")
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+
+
+def kv_connector(engine: str) -> str:
+    """The connector a prefill or decode replica of `engine` runs ("" for the simulator)."""
+    return {"vllm": NIXL_CONNECTOR, "vllm-cpu": STORAGE_CONNECTOR}.get(engine, "")
+
+
+def kv_transfer_args(
+    role: str, engine: str, engine_args: Sequence[str], storage_dir: str = ""
+) -> list[str]:
+    """`--kv-transfer-config` for a prefill or decode pool's engine; none for other roles,
+    for the simulator, or when the pool's engine_args configure the connector themselves.
+
+    A prefill engine is kv_producer, a decode engine kv_consumer (vLLM 0.32 deprecates
+    kv_both for NIXL); the storage connector keeps its files in `storage_dir`."""
+    connector = kv_connector(engine)
+    if role not in PD_ROLES or not connector:
+        return []
+    if any(a == KV_TRANSFER_FLAG or a.startswith(KV_TRANSFER_FLAG + "=") for a in engine_args):
+        return []
+    config: dict[str, object] = {
+        "kv_connector": connector,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+    }
+    if connector == STORAGE_CONNECTOR:
+        config["kv_connector_extra_config"] = {"shared_storage_path": storage_dir}
+    return [KV_TRANSFER_FLAG, json.dumps(config, separators=(",", ":"))]
+
+
+def _kv_transfer_config(engine_args: Sequence[str]) -> dict[str, Any]:
+    """The `--kv-transfer-config` an engine's arguments give ({} for none, or unreadable)."""
+    args = list(engine_args)
+    for i, arg in enumerate(args):
+        value = ""
+        if arg == KV_TRANSFER_FLAG and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(KV_TRANSFER_FLAG + "="):
+            value = arg.partition("=")[2]
+        if value:
+            try:
+                config = json.loads(value)
+            except ValueError:
+                return {}
+            return config if isinstance(config, dict) else {}
+    return {}
+
+
+def kv_connector_of(engine_args: Sequence[str]) -> str:
+    """The connector an engine's arguments configure ("" for none, or unreadable)."""
+    connector = _kv_transfer_config(engine_args).get("kv_connector")
+    return connector if isinstance(connector, str) else ""
+
+
+def kv_storage_dir_of(engine_args: Sequence[str]) -> str:
+    """Where the storage connector keeps prompts' KV blocks ("" for none): tenants' data, so
+    the engine makes it a directory only the service account may enter."""
+    extra = _kv_transfer_config(engine_args).get("kv_connector_extra_config")
+    path = extra.get("shared_storage_path") if isinstance(extra, dict) else None
+    return path if isinstance(path, str) else ""

@@ -40,6 +40,9 @@ CHECKS: dict[str, str] = {
     "dcgm_warning": "log",
     "engine_probe": "stop_routing",  # a one-token generation missed its deadline or failed
     "engine_stall": "stop_routing",  # running requests, token counters still
+    # Greedy canary decodes differ from the version's golden record (contracts/canary.py):
+    # other weights, an engine change, or silent data corruption ("drain" condemns the node).
+    "numerical_canary": "stop_routing",
 }
 
 

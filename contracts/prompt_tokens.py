@@ -11,12 +11,19 @@ tokens (vLLM's default there); a prompt given as token ids is used as is.
 (block hashes, prompt token count, adapter, session key). When the prompt cannot be read
 (a content type we do not render, a template error) the hints are empty and the request
 is routed on load alone: tokenizing is an optimisation, never a reason to fail a request.
+
+What was rendered, tokenized and hashed before is not again: each model has a
+`PromptCache` (contracts/prompt_cache.py), walked by `RouteHints.plan` (cheap: dict
+lookups, on the caller's thread); what it leaves (`HintsPlan.work` characters to render and
+tokenize) is done by `HintsPlan.run`, on a thread when it is large (the tokenizer's batch
+API releases the GIL).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -24,9 +31,11 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
+import msgspec
 from tokenizers import Tokenizer
 
 from hpcserve.contracts.prefix_hash import prompt_block_hashes
+from hpcserve.contracts.prompt_cache import Boundaries, MessageChunks, PromptCache
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +85,13 @@ class PromptTokenizer:
         env.filters["tojson"] = lambda value, indent=None: json.dumps(
             value, ensure_ascii=False, indent=indent
         )
+        self.chat_template = chat_template or ""
         self._template = env.from_string(chat_template) if chat_template else None
+        # Tokens never fewer than bytes (a byte-level BPE): a short text's count is bounded.
+        pre = json.loads(tokenizer.to_str()).get("pre_tokenizer") or {}
+        self.byte_level = pre.get("type") == "ByteLevel" or any(
+            step.get("type") == "ByteLevel" for step in pre.get("pretokenizers") or []
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> PromptTokenizer:
@@ -97,13 +112,26 @@ class PromptTokenizer:
         }
         return cls(tokenizer, template if isinstance(template, str) else None, special)
 
-    def render_chat(self, messages: list[dict[str, Any]], **extra: Any) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
         if self._template is None:
             raise ValueError("the model has no chat template")
         msgs = [{**m, "content": _text(m.get("content"))} for m in messages]
         return self._template.render(
-            messages=msgs, add_generation_prompt=True, **self.special, **extra
+            messages=msgs, add_generation_prompt=add_generation_prompt, **self.special, **extra
         )
+
+    def encode_pieces(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids without special tokens added (as the chat path tokenizes),
+        in one call of the tokenizer's batch API (it releases the GIL; no offsets kept)."""
+        return [e.ids for e in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def boundary_candidates(self) -> list[str]:
+        """The added tokens the chat template writes (where prompts may be cut)."""
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        texts = (self.chat_template, *self.special.values())
+        return [t.content for t in added if any(t.content and t.content in x for x in texts)]
 
     def chat_tokens(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
         text = self.render_chat(messages, **extra)
@@ -119,20 +147,281 @@ class PromptTokenizer:
         raise ValueError("prompt is neither a string nor a list of token ids")
 
 
-class RouteHints:
-    """Per model: its PromptTokenizer and the replicas' KV block size.
+DEFAULT_CACHE_BYTES = 64 << 20
+# Rendering by message is checked against rendering the whole prompt on the first
+# VERIFY_FIRST requests a model renders that way, then on one in VERIFY_EVERY.
+VERIFY_FIRST = 8
+VERIFY_EVERY = 1000
+_GENERATION = ("g",)  # the trie's piece for the generation prompt after the last message
+_HINT_ERRORS = (ValueError, TypeError, KeyError, AttributeError, jinja2.TemplateError)
+_encode = msgspec.json.Encoder()
 
-    `hints(model, payload, headers)` returns keyword fields for protocol.Route.
+
+def _chars(messages: list[Any]) -> int:
+    """About how much text `messages` hold (what rendering and tokenizing them costs)."""
+    return sum(len(str(m.get("content") or "")) for m in messages if isinstance(m, dict))
+
+
+def _message_key(message: Any, first: bool) -> tuple[Any, ...]:
+    """A message as a trie piece: what its rendering depends on."""
+    if not isinstance(message, dict):
+        raise TypeError("a message is not an object")
+    content = message.get("content")
+    if len(message) == 2 and isinstance(content, str) and "role" in message:
+        return ("m", first, message["role"], content)
+    return ("j", first, _encode.encode(message))
+
+
+class HintsPlan:
+    """One request's hints: `result` when the cache held all of it, else `run()` renders,
+    tokenizes and hashes the `work` characters it did not hold (safe on any thread)."""
+
+    __slots__ = ("_finish", "base", "result", "work")
+
+    def __init__(
+        self,
+        base: dict[str, Any],
+        result: dict[str, Any] | None = None,
+        finish: Callable[[], dict[str, Any]] | None = None,
+        work: int = 0,
+    ) -> None:
+        self.base = base
+        self.result = result if finish is None else None
+        self._finish = finish
+        self.work = work
+
+    def run(self) -> dict[str, Any]:
+        if self._finish is None:
+            return self.result if self.result is not None else self.base
+        try:
+            return {**self.base, **self._finish()}
+        except _HINT_ERRORS as err:
+            log.debug("no prompt hints: %s", err)
+            return self.base
+
+
+class _ModelHints:
+    """One model's tokenizer, block size, prompt cache and how its prompts may be cut."""
+
+    def __init__(
+        self, name: str, tokenizer: PromptTokenizer, block_size: int, cache_bytes: int
+    ) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.cache = PromptCache(block_size, cache_bytes)
+        self.boundaries = Boundaries(tokenizer.tokenizer, tokenizer.boundary_candidates())
+        self.chunks: MessageChunks | None = None
+        self.mismatches = 0
+        self._rendered = 0
+        self._verify_lock = threading.Lock()
+        if not cache_bytes:
+            return
+        if self.boundaries.reason:
+            log.info("model %s: prompts cached whole only (%s)", name, self.boundaries.reason)
+        elif tokenizer.chat_template:
+            chunks = MessageChunks(tokenizer.render_chat)
+            if chunks.reason:
+                log.info("model %s: chat prompts rendered whole (%s)", name, chunks.reason)
+            else:
+                self.chunks = chunks
+
+    def _result(self, node: Any, adapter: str) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "block_hashes": node.hashes.tolist(),
+            "block_size": self.block_size,
+            "prompt_tokens": node.n,
+        }
+        if adapter:
+            out["adapter"] = adapter
+        return out
+
+    # -- chat -------------------------------------------------------------------------
+    def chat(
+        self, messages: Any, extra: dict[str, Any], adapter: str, base: dict[str, Any]
+    ) -> HintsPlan:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages is not a non-empty list")
+        cache, chunks = self.cache, self.chunks
+        if chunks is None or extra:
+            work = _chars(messages)
+            return HintsPlan(
+                base, finish=lambda: self._chat_whole(messages, extra, adapter), work=work + 1
+            )
+        with cache.lock:
+            node = cache.root(adapter)
+            path = [node]
+            for i, message in enumerate(messages):
+                child = cache.get(node, _message_key(message, i == 0))
+                if child is None:
+                    break
+                node = child
+                path.append(child)
+            else:
+                final = cache.get(node, _GENERATION)
+                if final is not None:
+                    path.append(final)
+                    cache.touch(path)
+                    cache.hit_tokens += final.n
+                    return HintsPlan(base, {**base, **self._result(final, adapter)})
+            cache.touch(path)
+            cache.hit_tokens += node.n
+        start = len(path) - 1
+        work = sum(
+            len(str(m.get("content") or "")) for m in messages[start:] if isinstance(m, dict)
+        )
+        return HintsPlan(
+            base,
+            finish=lambda: self._chat_chunked(node, messages, start, adapter, chunks),
+            work=work + 1,
+        )
+
+    def _chat_chunked(
+        self, node: Any, messages: list[Any], start: int, adapter: str, chunks: MessageChunks
+    ) -> dict[str, Any]:
+        texts: list[str] = []
+        pendings: list[str] = []
+        keys: list[tuple[Any, ...]] = []
+        pending = node.pending
+        for i in range(start, len(messages)):
+            keys.append(_message_key(messages[i], i == 0))
+            text = pending + chunks.chunk(messages[i], i == 0)
+            cut = self.boundaries.last(text)
+            texts.append(text[:cut])
+            pending = text[cut:]
+            pendings.append(pending)
+        texts.append(pending + chunks.generation)
+        token_lists = self.tokenizer.encode_pieces(texts)
+        cache = self.cache
+        for key, tokens, rest in zip(keys, token_lists, pendings, strict=False):
+            node = cache.extend(node, key, tokens, rest)
+        final = cache.extend(node, _GENERATION, token_lists[-1], "")
+        with cache.lock:
+            cache.miss_tokens += sum(map(len, token_lists))
+        if self._verify_due():
+            whole = self._verify(messages, adapter, final)
+            if whole is not None:
+                return whole
+        return self._result(final, adapter)
+
+    def _verify_due(self) -> bool:
+        with self._verify_lock:
+            self._rendered += 1
+            n = self._rendered
+        return n <= VERIFY_FIRST or n % VERIFY_EVERY == 0
+
+    def _verify(self, messages: list[Any], adapter: str, final: Any) -> dict[str, Any] | None:
+        """Render and tokenize the whole prompt; on a difference, render by message no more
+        and return the whole prompt's hints."""
+        whole = self.tokenizer.encode_pieces([self.tokenizer.render_chat(messages)])[0]
+        hashes = prompt_block_hashes(whole, self.block_size, adapter)
+        if len(whole) == final.n and hashes == final.hashes.tolist():
+            return None
+        self.mismatches += 1
+        if self.chunks is not None:
+            self.chunks = None
+            self.cache.clear()
+            log.warning(
+                "model %s: its chat template renders a conversation differently message by "
+                "message than whole (%d tokens whole, %d by message): rendering whole from now "
+                "on (hpcserve_gateway_prompt_cache_mismatches_total)",
+                self.name,
+                len(whole),
+                final.n,
+            )
+        out: dict[str, Any] = {"block_hashes": hashes, "block_size": self.block_size}
+        out["prompt_tokens"] = len(whole)
+        if adapter:
+            out["adapter"] = adapter
+        return out
+
+    def _chat_whole(
+        self, messages: list[Any], extra: dict[str, Any], adapter: str
+    ) -> dict[str, Any]:
+        """Render the whole prompt; tokenize only the pieces (between hard boundaries) the
+        cache does not hold."""
+        text = self.tokenizer.render_chat(messages, **extra)
+        cuts = self.boundaries.all(text)
+        cache = self.cache
+        pieces = [text[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
+        with cache.lock:
+            node = cache.root(adapter)
+            path = [node]
+            for piece in pieces:
+                child = cache.get(node, ("t", piece))
+                if child is None:
+                    break
+                node = child
+                path.append(child)
+            cache.touch(path)
+            cache.hit_tokens += node.n
+        rest = pieces[len(path) - 1 :]
+        if rest:
+            token_lists = self.tokenizer.encode_pieces(rest)
+            for piece, tokens in zip(rest, token_lists, strict=True):
+                node = cache.extend(node, ("t", piece), tokens, "")
+            with cache.lock:
+                cache.miss_tokens += sum(map(len, token_lists))
+        return self._result(node, adapter)
+
+    # -- completions ----------------------------------------------------------------------
+    def completion(self, prompt: Any, adapter: str, base: dict[str, Any]) -> HintsPlan:
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            tokens = self.tokenizer.prompt_tokens(prompt)
+            hashes = prompt_block_hashes(tokens, self.block_size, adapter)
+            out = {"block_hashes": hashes, "block_size": self.block_size}
+            out["prompt_tokens"] = len(tokens)
+            if adapter:
+                out["adapter"] = adapter
+            return HintsPlan(base, {**base, **out})
+        if self.tokenizer.byte_level and len(prompt) < self.block_size:
+            bound = len(prompt.encode()) + self.tokenizer.tokenizer.num_special_tokens_to_add(False)
+            if bound < self.block_size:  # no full block to match: not tokenized
+                return HintsPlan(base, {**base, "prompt_tokens": bound})
+        cache = self.cache
+        key = ("p", prompt)
+        with cache.lock:
+            root = cache.root(adapter)
+            node = cache.get(root, key)
+            if node is not None:
+                cache.touch([node])
+                cache.hit_tokens += node.n
+                return HintsPlan(base, {**base, **self._result(node, adapter)})
+
+        def finish() -> dict[str, Any]:
+            tokens = self.tokenizer.prompt_tokens(prompt)
+            made = cache.extend(root, key, tokens, "")
+            with cache.lock:
+                cache.miss_tokens += len(tokens)
+            return self._result(made, adapter)
+
+        return HintsPlan(base, finish=finish, work=len(prompt) + 1)
+
+
+class RouteHints:
+    """Per model: its PromptTokenizer, the replicas' KV block size and a PromptCache.
+
+    `hints(model, payload, headers)` returns keyword fields for protocol.Route; `plan` is
+    the same in two steps (cache walk here, the rest where the caller runs it).
     """
 
     def __init__(self) -> None:
-        self._models: dict[str, tuple[PromptTokenizer, int]] = {}
+        self._models: dict[str, _ModelHints] = {}
         self._adapters: dict[str, str] = {}
 
-    def add_model(self, model: str, tokenizer: PromptTokenizer, block_size: int) -> None:
+    def add_model(
+        self,
+        model: str,
+        tokenizer: PromptTokenizer,
+        block_size: int,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        """cache_bytes: the model's prompt cache (0: none, every prompt tokenized whole)."""
         if block_size <= 0:
             raise ValueError(f"block_size of {model!r} must be > 0, got {block_size}")
-        self._models[model] = (tokenizer, block_size)
+        self._models[model] = _ModelHints(model, tokenizer, block_size, cache_bytes)
 
     def add_adapter(self, adapter: str, base_model: str) -> None:
         self._adapters[adapter] = base_model
@@ -140,8 +429,16 @@ class RouteHints:
     def __contains__(self, model: str) -> bool:
         return model in self._models or model in self._adapters
 
+    def base_model(self, model: str) -> str:
+        return self._adapters.get(model, model)
+
+    def block_size(self, model: str) -> int:
+        entry = self._models.get(self._adapters.get(model, model))
+        return entry.block_size if entry is not None else 0
+
     def tokens(self, model: str, payload: Mapping[str, Any]) -> list[int]:
-        tokenizer, _ = self._models[self._adapters.get(model, model)]
+        """The prompt's tokens, rendered and tokenized whole (no cache)."""
+        tokenizer = self._models[self._adapters.get(model, model)].tokenizer
         messages = payload.get("messages")
         if messages is not None:
             extra = {}
@@ -158,32 +455,35 @@ class RouteHints:
         a request body for `hints` only when it is used."""
         return self._adapters.get(model, model) in self._models
 
+    def plan(self, model: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> HintsPlan:
+        base: dict[str, Any] = {}
+        session = headers.get(SESSION_HEADER)
+        if session:
+            base["session_key"] = session[:256]
+        entry = self._models.get(self._adapters.get(model, model))
+        if entry is None:
+            return HintsPlan(base, base)
+        adapter = model if model in self._adapters else ""
+        try:
+            messages = payload.get("messages")
+            if messages is not None:
+                extra = {"tools": payload["tools"]} if payload.get("tools") else {}
+                return entry.chat(messages, extra, adapter, base)
+            return entry.completion(payload.get("prompt"), adapter, base)
+        except _HINT_ERRORS as err:
+            log.debug("no prompt hints for %s: %s", model, err)
+            return HintsPlan(base, base)
+
     def hints(
         self, model: str, payload: Mapping[str, Any], headers: Mapping[str, str]
     ) -> dict[str, Any]:
-        hints: dict[str, Any] = {}
-        session = headers.get(SESSION_HEADER)
-        if session:
-            hints["session_key"] = session[:256]
-        base = self._adapters.get(model, model)
-        entry = self._models.get(base)
-        if entry is None:
-            return hints
-        _, block_size = entry
-        try:
-            tokens = self.tokens(model, payload)
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as err:
-            log.debug("no prompt hints for %s: %s", model, err)
-            return hints
-        adapter = model if model in self._adapters else ""
-        hints.update(
-            block_hashes=prompt_block_hashes(tokens, block_size, adapter),
-            block_size=block_size,
-            prompt_tokens=len(tokens),
-        )
-        if adapter:
-            hints["adapter"] = adapter
-        return hints
+        return self.plan(model, payload, headers).run()
+
+    def cache_stats(self) -> list[tuple[str, PromptCache, int, bool]]:
+        """(model, its cache, rendering mismatches, rendered by message) per model."""
+        return [
+            (m.name, m.cache, m.mismatches, m.chunks is not None) for m in self._models.values()
+        ]
 
 
 HintsFn = Callable[[str, Mapping[str, Any], Mapping[str, str]], dict[str, Any]]

@@ -20,6 +20,15 @@ from __future__ import annotations
 import msgspec
 
 
+class LatencyHistogram(msgspec.Struct, frozen=True, array_like=True):
+    """A Prometheus histogram as an engine exports it, cumulative since it started: the
+    count of observations <= each finite bound (`le`, ascending), and of all of them."""
+
+    bounds: list[float] = []
+    counts: list[int] = []
+    total: int = 0
+
+
 class ReplicaLoad(msgspec.Struct, frozen=True):
     """What an engine reports about its load on each heartbeat."""
 
@@ -29,6 +38,11 @@ class ReplicaLoad(msgspec.Struct, frozen=True):
     # The KV cache's size in tokens (vLLM's num_gpu_blocks x block_size; 0: unknown), so
     # the router places new contexts by the room each replica has (policies/scorers.py).
     kv_capacity_tokens: int = 0
+    # vLLM's TTFT and per-request TPOT histograms (vllm:time_to_first_token_seconds,
+    # vllm:request_time_per_output_token_seconds); None: not reported. The pool manager's
+    # autoscaler reads their p95 over a short and a long window (poolmgr/slo_windows.py).
+    ttft: LatencyHistogram | None = None
+    tpot: LatencyHistogram | None = None
 
 
 class Register(msgspec.Struct, frozen=True, tag="register"):
@@ -59,11 +73,15 @@ class Register(msgspec.Struct, frozen=True, tag="register"):
     # The registry version it serves (name@version; empty for a model_path pool): the pool
     # manager records it in the registry, so a version in use cannot be removed.
     model_ref: str = ""
-    # Its pool's role (pools[].role): "interactive" or "batch" (router/policies/pool_roles.py).
+    # Its pool's role (pools[].role): "interactive" or "batch" (router/policies/pool_roles.py),
+    # "prefill" or "decode" (router/policies/pd_roles.py).
     role: str = "interactive"
     # Its KV-cache events come relayed by its engine agent over the router's KV relay socket
     # (engine_launch/kv_relay.py), on topic kv_events_topic; the endpoints above stay empty.
     kv_events_relayed: bool = False
+    # Disaggregated prefill and decode (role "prefill" or "decode"): the KV-transfer
+    # connector its engine runs (contracts/engine_args.py kv_connector; "": none).
+    kv_connector: str = ""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -142,6 +160,10 @@ class Route(msgspec.Struct, frozen=True, tag="route"):
 
 # RouteReply.error when no replica's estimated queue wait is within Route.queue_budget_s.
 OVER_QUEUE_BUDGET = "over_queue_budget"
+# RouteReply.error from a router that started moments ago and has no replica for the model
+# yet: the fleet's engines re-register at their next heartbeat, so ask again shortly
+# (a gateway does, until the router says no_replica). Older gateways read it as no replica.
+ROUTER_STARTING = "router_starting"
 
 
 class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
@@ -158,6 +180,17 @@ class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
     # The router's epoch (new at every start, QuotaTotals.epoch): a gateway that sees it
     # change re-declares the requests it has in flight (InFlight).
     epoch: str = ""
+    # What the picked replica serves: its registry version (name@version; empty for a
+    # model_path pool) and, for a LoRA request, the adapter. The gateway labels its online
+    # quality metrics with them (gateway/quality.py), which staged rollouts compare.
+    model_ref: str = ""
+    adapter: str = ""
+    # Disaggregated prefill and decode: the prefill replica picked for the request (empty:
+    # none, the replica above serves it whole). The gateway sends the prompt there first
+    # (max_tokens 1, kv_transfer_params), then the request to the decode replica above with
+    # the transfer parameters the prefill returned (gateway/disagg.py); both are released.
+    prefill_replica_id: str = ""
+    prefill_url: str = ""
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -203,6 +236,9 @@ class ReplicaInfo(msgspec.Struct, frozen=True):
     cached: list[str] = []  # its node's cache entries when it registered
     model_ref: str = ""  # the registry version it serves
     role: str = "interactive"  # its pool's role (Register.role)
+    # Requests routed to it since it registered (the pool manager's autoscaler tells an idle
+    # pool from one whose short requests fall between its polls: poolmgr/autoscale.py).
+    routed: int = 0
 
 
 class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
@@ -212,6 +248,9 @@ class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
     # Alias name -> the registry version it routes to (name@version, canary aside): the
     # gateway routes aliases on these while the router is away (gateway/replica_view.py).
     aliases: dict[str, str] = {}
+    # Model name -> seconds since the router last answered a Route for it without a replica
+    # (within the last hour): demand for a pool scaled to zero, which the pool manager wakes.
+    unserved: dict[str, float] = {}
 
 
 class InFlight(msgspec.Struct, frozen=True, tag="in_flight"):
@@ -290,6 +329,18 @@ class HealthReport(msgspec.Struct, frozen=True, tag="health_report"):
     pool: str = ""
 
 
+class CanaryReport(msgspec.Struct, frozen=True, tag="canary_report"):
+    """One numerical canary check of a replica (contracts/canary.py), before it registers or
+    by its health monitor: the router counts them. A mismatch also comes as a HealthReport
+    (check numerical_canary), which is what takes the replica out of routing. No reply."""
+
+    replica_id: str
+    model_ref: str = ""
+    result: str = "pass"  # pass | mismatch | error
+    stage: str = "periodic"  # before_register | periodic
+    detail: str = ""
+
+
 class HealthEvent(msgspec.Struct, frozen=True):
     seq: int
     at: float  # epoch seconds, the router's clock
@@ -315,7 +366,7 @@ class HealthEvents(msgspec.Struct, frozen=True, tag="health_events"):
     events: list[HealthEvent] = []
 
 
-RegistryMessage = Register | Heartbeat | Deregister | AdapterLoaded | HealthReport
+RegistryMessage = Register | Heartbeat | Deregister | AdapterLoaded | HealthReport | CanaryReport
 RegistryReply = RegistryAck | ReRegister | LoadAdapter
 RoutingMessage = (
     Route | Release | ListModels | ListReplicas | QuotaReport | ListHealthEvents | InFlight

@@ -22,9 +22,14 @@ class RouterQueryError(RuntimeError):
 def list_replicas(
     endpoint: str, timeout_s: float = 2.0, *, curve_dir: str = ""
 ) -> list[p.ReplicaInfo]:
+    return replica_list(endpoint, timeout_s, curve_dir=curve_dir).replicas
+
+
+def replica_list(endpoint: str, timeout_s: float = 2.0, *, curve_dir: str = "") -> p.ReplicaList:
+    """The router's whole answer: the replicas, and its unserved demand per model."""
     reply = _ask(endpoint, p.ListReplicas(next(_ids)), timeout_s, curve_dir)
     assert isinstance(reply, p.ReplicaList)
-    return reply.replicas
+    return reply
 
 
 def list_models(

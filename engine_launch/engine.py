@@ -1,7 +1,9 @@
 """`hpcserve engine`: what runs inside a Slurm job (or a local process).
 
-Starts vLLM's OpenAI server on a free port, waits for /health showing progress,
-registers the replica with the router and heartbeats its load. On SIGTERM,
+Starts vLLM's OpenAI server on a free port, waits for /health showing progress, compares
+its greedy decodes with the version's golden record where there is one (numerical
+canaries, health/canary.py: a mismatch fails the engine before it registers), registers
+the replica with the router and heartbeats its load. On SIGTERM,
 SIGUSR1 or SIGINT it deregisters first (gateways stop sending new work), then
 sends SIGTERM to vLLM's API server process only, which drains in-flight
 requests for up to --drain-s and exits. If vLLM dies on its own the replica
@@ -39,12 +41,15 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcserve.contracts import protocol as p
+from hpcserve.contracts.engine_args import NIXL_CONNECTOR, kv_connector_of, kv_storage_dir_of
 from hpcserve.contracts.engine_token import FILE_ENV, EngineTokenError, read_token
+from hpcserve.contracts.private_files import private_dir
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.engine_launch.engine_ports import (
     HTTP,
@@ -122,13 +127,17 @@ class EngineOptions:
     # The deployment's engine token (contracts/engine_token.py): vLLM answers 401 to anyone
     # without it. Empty: no token, vLLM serves anyone who reaches its port (warned).
     engine_token_file: str = ""
+    # The version's golden record (numerical canaries, health/canary.py): checked before the
+    # replica registers and then by the health monitor. Empty: no canary.
+    canary_record: str = ""
 
 
 class EngineFailed(RuntimeError):
     pass
 
 
-# vLLM's KV-event sockets live in <tmp>/hpcserve-kv-<engine pid>-XXXXXXXX (open_kv_events).
+# The engine's private directory, <tmp>/hpcserve-kv-<engine pid>-XXXXXXXX (open_private_dir):
+# vLLM's ipc:// sockets (its own and the KV-event ones) and temporary files.
 KV_DIR_PREFIX = "hpcserve-kv-"
 
 
@@ -145,6 +154,13 @@ def sweep_kv_dirs(parent: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
         except OSError:
             continue  # alive under another account, or gone meanwhile
+
+
+def make_kv_storage_private(engine_args: Sequence[str]) -> None:
+    """The storage connector's directory holds prompts' KV blocks: tenants' data, so only the
+    service account may enter it (docs/security.md)."""
+    if storage := kv_storage_dir_of(engine_args):
+        private_dir(storage)
 
 
 def _http_get(url: str, timeout_s: float) -> tuple[int, str]:
@@ -205,6 +221,13 @@ class EngineRunner:
         )
         if self.kv_events:
             self.spec = replace(self.spec, kv_events_topic=self.replica_id)
+        # A prefill or decode replica over NIXL: its own side-channel port, at the address
+        # other nodes reach it by (contracts/engine_args.py kv_transfer_args).
+        self.kv_connector = kv_connector_of(options.extra_args)
+        if self.kv_connector == NIXL_CONNECTOR and self.node_rank == 0:
+            self.spec = replace(
+                self.spec, nixl_host=advertise, nixl_port=self.reserve_port(options.bind_host)
+            )
         self._stop = threading.Event()
         self._stop_reason = ""
         self._rank_lost = ""
@@ -301,6 +324,7 @@ class EngineRunner:
         self.spec = replace(self.spec, model_path=str(staged.path))
 
     def start_vllm(self) -> None:
+        make_kv_storage_private(self.spec.extra_args)
         argv = vllm_argv(self.spec)
         env = vllm_env(self.spec, os.environ, engine_token=self.engine_token)
         what = "headless vLLM" if self.spec.headless else "vLLM"
@@ -417,6 +441,7 @@ class EngineRunner:
             cached=self.node_cache_keys(),
             model_ref=self.options.model_ref,
             role=self.options.role,
+            kv_connector=self.kv_connector,
         )
 
     def node_cache_keys(self) -> list[str]:
@@ -441,17 +466,36 @@ class EngineRunner:
             "kv_events_relayed": True,
         }
 
-    def open_kv_events(self, agent: RegistryAgent) -> None:
-        """vLLM's KV-event sockets in a directory only this account may enter (mkdtemp: mode
-        0700), and the relay that forwards them to the router once it tells where."""
-        if not self.kv_events:
-            return
+    def open_private_dir(self) -> str:
+        """This engine's directory only its account may enter (mkdtemp: mode 0700), removed
+        when it stops: vLLM's own ipc:// sockets between its API server, engine core and
+        workers go there (VLLM_RPC_BASE_PATH; by default /tmp, where their mode follows the
+        umask), its temporary files (TMPDIR: torch.distributed's file store) and the
+        KV-event sockets."""
+        if self.spec.runtime_dir:
+            return self.spec.runtime_dir
         prefix = f"{KV_DIR_PREFIX}{os.getpid()}-"
         directory = tempfile.mkdtemp(prefix=prefix)
-        if len(directory) > 90:  # an ipc:// path must fit a sockaddr_un (108 bytes)
+        # vLLM's ipc paths are <directory>/<uuid4> (36 characters): they must fit a
+        # sockaddr_un (108 bytes).
+        if len(directory) > 70:
             os.rmdir(directory)
             directory = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
         sweep_kv_dirs(Path(directory).parent)
+        self.spec = replace(self.spec, runtime_dir=directory)
+        log.info("vLLM's sockets and temporary files in %s (mode 0700)", directory)
+        return directory
+
+    def close_private_dir(self) -> None:
+        if self.spec.runtime_dir:
+            shutil.rmtree(self.spec.runtime_dir, ignore_errors=True)
+
+    def open_kv_events(self, agent: RegistryAgent) -> None:
+        """vLLM's KV-event sockets in the engine's private directory (open_private_dir), and
+        the relay that forwards them to the router once it tells where."""
+        if not self.kv_events:
+            return
+        directory = self.open_private_dir()
         self.spec = replace(self.spec, kv_events_dir=directory)
         if not kv_events_args(self.spec):
             return  # the pool's engine_args configure events themselves
@@ -466,8 +510,7 @@ class EngineRunner:
         if self.kv_relay is not None:
             self.kv_relay.stop()
             self.kv_relay = None
-        if self.spec.kv_events_dir:
-            shutil.rmtree(self.spec.kv_events_dir, ignore_errors=True)
+        self.close_private_dir()
 
     def serve(self, agent: RegistryAgent) -> None:
         """Heartbeat until asked to stop or vLLM dies."""
@@ -511,7 +554,68 @@ class EngineRunner:
             on_drain=self.request_stop,
             on_give_up=self._give_up,
             engine_token=self.engine_token,
+            canary_record=self.options.canary_record,
         )
+
+    def check_canary(self, agent: RegistryAgent) -> None:
+        """Before registering: decode the golden record's canaries and compare. A mismatch
+        is reported to the router as a health finding (the pool manager drains the node if
+        the policy says so) and fails the engine unregistered: the job fails, and the pool
+        manager's failure backoff slows the replacements. No record (yet): nothing to check."""
+        from hpcserve.contracts.canary import CanaryError
+        from hpcserve.contracts.canary_client import load_record
+        from hpcserve.health.canary import CHECK, run_canary
+        from hpcserve.health.monitor import health_config_from_env
+        from hpcserve.health.policy import Policy
+
+        path = self.options.canary_record
+        if not path:
+            return
+        try:
+            record = load_record(path)
+            config = health_config_from_env(os.environ)
+        except (CanaryError, ValueError) as err:
+            raise EngineFailed(f"numerical canary: {err}") from None
+        if record is None:
+            log.info("numerical canary: no golden record at %s yet; checked once it appears", path)
+            return
+        ref = self.options.model_ref
+        if ref and record.model_ref != ref:
+            raise EngineFailed(f"{path} is the golden record of {record.model_ref}, not of {ref}")
+        outcome = run_canary(
+            record,
+            self.local_url,
+            self.options.served_model_name,
+            engine_token=self.engine_token,
+            deadline_s=config.canary_deadline_s,
+        )
+        reg = agent.registration
+        agent.send(
+            p.CanaryReport(
+                reg.replica_id, record.model_ref, outcome.result, "before_register", outcome.detail
+            )
+        )
+        if outcome.result == "pass":
+            log.info(
+                "numerical canary: matches the golden record of %s (%d prompts)",
+                record.model_ref,
+                len(record.answers),
+            )
+            return
+        if outcome.result == "error":
+            raise EngineFailed(f"numerical canary could not run: {outcome.detail}")
+        finding = Policy(config).finding(CHECK, outcome.detail)
+        log.warning("health: %s (check %s, action %s)", finding.detail, CHECK, finding.action)
+        agent.send(
+            p.HealthReport(
+                replica_id=reg.replica_id,
+                findings=[finding],
+                node=reg.node,
+                slurm_job_id=reg.slurm_job_id,
+                pool=reg.pool,
+            )
+        )
+        raise EngineFailed(f"{outcome.detail}: not registering")
 
     def _give_up(self, reason: str) -> None:
         self._gave_up = f"health: {reason}"
@@ -640,9 +744,11 @@ class EngineRunner:
                     ) from None
             self.load_engine_token()
             self.prepare_model()
+            self.open_private_dir()
             self.open_kv_events(agent)
             self.launch_vllm()
             if not self._stop.is_set():
+                self.check_canary(agent)
                 self.serve(agent)
             if self._rank_lost:
                 raise EngineFailed(self._rank_lost)
@@ -679,6 +785,7 @@ class EngineRunner:
         health: WorkerHealth | None = None
         try:
             self.prepare_model()
+            self.open_private_dir()
             self.start_vllm()
             assert self.process is not None
             proc = self.process
@@ -720,6 +827,7 @@ class EngineRunner:
             if link is not None:
                 link.close()
             code = self.stop_vllm()
+            self.close_private_dir()
             self.release_ports()
             log.info("engine stopped (vLLM exit code %s)", code)
         return 1 if failure else 0

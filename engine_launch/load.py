@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 
-from hpcserve.contracts.protocol import ReplicaLoad
+from hpcserve.contracts.protocol import LatencyHistogram, ReplicaLoad
 
 _FIELDS = {
     "vllm:num_requests_running": "running",
@@ -14,6 +15,11 @@ _FIELDS = {
 
 
 _CACHE_INFO = "vllm:cache_config_info{"
+# Histograms reported for the autoscaler's SLO signal (ReplicaLoad.ttft / tpot).
+_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds_bucket": "ttft",
+    "vllm:request_time_per_output_token_seconds_bucket": "tpot",
+}
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -30,6 +36,7 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
     """Sum each gauge over its label sets (one per engine / model name)."""
     totals = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     capacity = 0
+    buckets: dict[str, dict[float, float]] = {"ttft": {}, "tpot": {}}
     for line in metrics_text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -37,6 +44,10 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
             capacity += _kv_capacity_tokens(line)
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        histogram = _HISTOGRAMS.get(line[:name_end]) if name_end > 0 else None
+        if histogram is not None:
+            _add_bucket(buckets[histogram], line)
+            continue
         field = _FIELDS.get(line[:name_end]) if name_end > 0 else None
         if field is None:
             continue
@@ -49,4 +60,24 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
         waiting=int(totals["waiting"]),
         kv_usage=min(max(totals["kv_usage"], 0.0), 1.0),
         kv_capacity_tokens=capacity,
+        ttft=_histogram(buckets["ttft"]),
+        tpot=_histogram(buckets["tpot"]),
     )
+
+
+def _add_bucket(into: dict[float, float], line: str) -> None:
+    """One `_bucket{...,le="0.5"} 12` line, summed over label sets by bound."""
+    labels = dict(_LABEL.findall(line.partition("{")[2].rpartition("}")[0]))
+    try:
+        bound = float(labels["le"])  # "+Inf" parses as inf
+        into[bound] = into.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    except (KeyError, IndexError, ValueError):
+        return
+
+
+def _histogram(buckets: dict[float, float]) -> LatencyHistogram | None:
+    if not buckets:
+        return None
+    bounds = sorted(b for b in buckets if math.isfinite(b))
+    total = buckets.get(math.inf, buckets[bounds[-1]] if bounds else 0.0)
+    return LatencyHistogram(bounds, [int(buckets[b]) for b in bounds], int(total))

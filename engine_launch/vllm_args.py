@@ -9,8 +9,10 @@ server (and the workers of its node), every other rank runs `vllm serve --headle
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +50,15 @@ class EngineSpec:
     # The engine token guards every route (contracts/engine_token.py): vLLM gets the guard
     # as --middleware and the token in its environment (vllm_env), never in its argv.
     token_guard: bool = False
+    # The engine's private directory (mode 0700, engine.py open_private_dir): vLLM's own
+    # ipc:// sockets (VLLM_RPC_BASE_PATH) and temporary files (TMPDIR) go there ("": vLLM's
+    # defaults, /tmp).
+    runtime_dir: str = ""
+    # Disaggregated prefill and decode over NIXL (contracts/engine_args.py): the host and
+    # port of NIXL's side channel, where a decode engine fetches the prefill engine's KV
+    # layout; one port per engine on a node (vLLM's default, 5600, is one for all). 0: none.
+    nixl_host: str = ""
+    nixl_port: int = 0
 
     @property
     def headless(self) -> bool:
@@ -193,6 +204,24 @@ def vllm_env(
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
+    if spec.runtime_dir:
+        # vLLM's frontend <-> engine core <-> worker ZMQ sockets are ipc:// paths under
+        # VLLM_RPC_BASE_PATH (default /tmp, their mode then the umask's: others may connect
+        # where it is permissive); its temporary files (torch.distributed's file store,
+        # /tmp/vllm_dist_*, 0644 and left behind) follow TMPDIR. Both into the engine's
+        # private directory, which only the service account may enter.
+        env["VLLM_RPC_BASE_PATH"] = spec.runtime_dir
+        env["TMPDIR"] = spec.runtime_dir
+        # torch's compiled-kernel cache follows TMPDIR too: keep it where torch keeps it by
+        # default (beside the private directory, torchinductor_<user>), so a start does not
+        # compile again what the last one did. A site's own setting wins.
+        env.setdefault(
+            "TORCHINDUCTOR_CACHE_DIR",
+            os.path.join(os.path.dirname(spec.runtime_dir), f"torchinductor_{_user()}"),
+        )
+    if spec.nixl_port:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.nixl_host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_port)
     if spec.max_loras > 0:
         # The router loads and unloads adapters at run time (router/adapters.py).
         env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
@@ -216,6 +245,15 @@ def vllm_env(
     return env
 
 
+def _user() -> str:
+    """The account's name as torch writes it in its default cache directory's name."""
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = f"uid_{os.getuid()}"
+    return re.sub(r'[\\/:*?"<>|]', "_", name)
+
+
 def _has_flag(args: Sequence[str], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
 
@@ -234,4 +272,3 @@ def describe_env(env: Mapping[str, str]) -> str:
         value = "***" if any(word in name.upper() for word in _SECRET_WORDS) else env[name]
         shown.append(f"{name}={value}")
     return " ".join(shown)
-

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -35,9 +36,10 @@ from starlette.routing import Route
 from hpcserve.config import GatewayConfig
 from hpcserve.contracts.engine_token import bearer_matches
 from hpcserve.contracts.prompt_tokens import SESSION_HEADER, RouteHints
-from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
+from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET, RouteReply
+from hpcserve.contracts.usage import UsageRecord
 from hpcserve.contracts.zmtp_curve import ClientKeys
-from hpcserve.gateway import errors, json_limits, model_tools, validate
+from hpcserve.gateway import disagg, errors, json_limits, model_tools, quality, validate
 from hpcserve.gateway.audit import AuditLog, AuditRecord, utc_time
 from hpcserve.gateway.auth import KeyRing, Tenant
 from hpcserve.gateway.batch.handlers import batch_routes
@@ -50,6 +52,8 @@ from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_qu
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.responses import responses_routes
 from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
+from hpcserve.gateway.usage_log import UsageLog
+from hpcserve.gateway.workers import LOCAL_HEADER, WorkerSet
 
 if TYPE_CHECKING:
     from hpcserve.gateway.tracing import Tracing
@@ -62,12 +66,23 @@ _json_object = msgspec.json.Decoder(dict[str, Any])
 _dict = msgspec.json.Decoder(dict[str, Any])
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
 _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
-# Prefix hints: bodies up to this size are tokenized on the event loop (a thread hand-off
-# costs more than they do); longer ones on HINT_THREADS threads, at most MAX_HINTS_WAITING.
+# Prefix hints: what the prompt cache leaves to render and tokenize, up to this many
+# characters, is done on the event loop (a thread hand-off costs more than it does); more on
+# HINT_THREADS threads, at most MAX_HINTS_WAITING; a body over HINT_DECODE_INLINE_BYTES is
+# decoded there too.
 INLINE_HINT_BYTES = 2048
+HINT_DECODE_INLINE_BYTES = 256 * 1024
 HINT_THREADS = 2
 MAX_HINTS_WAITING = 64
 _INCLUDE_CONTINUOUS = b',"stream_options":{"include_usage":true,"continuous_usage_stats":true}}'
+# A request held for a pool at zero asks the router again this often.
+WAKE_POLL_S = 0.25
+
+
+def wake_retry_after(budget_s: float) -> int:
+    """Retry-After of a 503 for a model whose pool is waking: its hold budget, at least 5 s
+    (a client that waits that long is held again, and serves once the pool is up)."""
+    return max(5, math.ceil(budget_s))
 
 
 class Gateway:
@@ -112,6 +127,13 @@ class Gateway:
         self.metrics_registry = metrics_registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.metrics_registry)
         self.audit = AuditLog(config.audit_log, on_failure=self.metrics.audit_failures.inc)
+        # Usage records (contracts/usage.py), for `hpcserve report`; server.py sets the
+        # directory (default <state_dir>/usage), a bare GatewayConfig has none.
+        self.usage = (
+            UsageLog(config.usage_dir, "gateway", on_failure=self.metrics.usage_failures.inc)
+            if config.usage_dir
+            else None
+        )
         self._auth_report_at = 0.0  # refused keys are logged at most every AUTH_LOG_EVERY_S
         self._auth_unreported = 0
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{id(self):x}"
@@ -136,10 +158,16 @@ class Gateway:
         self.route_hints: RouteHints | None = None
         # Models whose pools set messages_api = false (gateway/messages.py; set by server.py).
         self.messages_refused: set[str] = set()
+        # Models of pools that scale to zero -> how long a request for one with no replica is
+        # held while the pool wakes (pools[].autoscale.wake_budget_s; set by server.py).
+        self.wake_budgets: dict[str, float] = {}
+        # One of several worker processes on this port (set by server.py; gateway/workers.py).
+        self.workers: WorkerSet | None = None
         self._hint_pool: ThreadPoolExecutor | None = None
         self._hints_waiting = 0
         self._quota_sync: asyncio.Task[None] | None = None
         self._children: dict[tuple[str, str], _ModelMetrics] = {}
+        self._deployments: dict[tuple[str, str, str], quality.DeploymentMetrics] = {}
 
     async def start(self) -> None:
         await self.routing.start()
@@ -172,6 +200,8 @@ class Gateway:
             await self.external_relay.close()
         await self.routing.close()
         self.audit.close()
+        if self.usage is not None:
+            self.usage.close()
         if self.tracing is not None:
             self.tracing.shutdown()
         if self._hint_pool is not None:
@@ -324,6 +354,15 @@ class Gateway:
             except RouterUnavailable as err:
                 log.warning("routing failed: %s", err)
                 decision = None
+            if (
+                decision is not None
+                and not decision.replica_id
+                and not exclude
+                and model in self.wake_budgets
+                and not (self.external is not None and self.external.takes(tenant, model))
+            ):
+                # A pool at zero: its Routes wake it (router/unserved.py); hold the request.
+                decision = await self._hold_for_wake(model, tenant.config.priority, hints)
             waited = time.perf_counter() - started
             self.metrics.queue.observe(waited)
             if span is not None:
@@ -362,35 +401,63 @@ class Gateway:
                     _end(span, failure.status)
                     raise failure
                 _end(span, 503)
+                if model in self.wake_budgets:
+                    raise errors.model_starting(
+                        model, self.wake_budgets[model], wake_retry_after(self.wake_budgets[model])
+                    )
                 raise errors.no_replica(model)
             # Only routable names become metric labels: client input must not grow the series.
             request.scope["hpcserve.model"] = model
             exchange = _Exchange(
-                self, tenant, model, limited, decision.replica_id, stream, span, request.scope
+                self,
+                tenant,
+                model,
+                limited,
+                decision.replica_id,
+                stream,
+                span,
+                request.scope,
+                route=decision,
+            )
+            exchange.deployment = self.deployment_metrics(
+                model, decision.model_ref, decision.adapter
+            )
+            watch = exchange.watch = (
+                quality.OutputWatch(quality.wants_json(parsed)) if endpoint in _GENERATING else None
             )
             if span is not None:
                 assert self.tracing is not None
                 self.tracing.inject(span, headers)
+            # An alias: the replica knows the version by its served name.
+            forward_body = (
+                _with_model(engine_body, decision.model) if decision.model else engine_body
+            )
+            if decision.prefill_replica_id:  # disaggregated: prefill there first (disagg.py)
+                forward_body, prefill_failed = await self._prefill_step(
+                    decision, endpoint, model, forward_body, headers
+                )
+                if prefill_failed:
+                    exclude = [*exclude, decision.prefill_replica_id]
             try:
                 return await self.relay.forward(
                     decision.url + endpoint,
-                    # An alias: the replica knows the version by its served name.
-                    _with_model(engine_body, decision.model) if decision.model else engine_body,
+                    forward_body,
                     headers,
                     stream=stream,
                     exchange=exchange,
                     strip_usage=strip_usage,
                     strip_continuous=strip_continuous,
+                    watch=watch,
                 )
             except UpstreamFailed as err:
-                exchange.abandon()
+                exchange.abandon(failed=True)
                 log.warning("replica %s failed before its first byte: %s", decision.replica_id, err)
                 failure = err
                 exclude = [*exclude, decision.replica_id]
                 self.metrics.retries.labels(model).inc()
                 continue
             except errors.APIError as err:
-                exchange.abandon()
+                exchange.abandon(failed=err.status >= 500)
                 _end(span, err.status)
                 if err.status >= 500:
                     self.engine_error(model, err.status, decision.replica_id, request.scope, err)
@@ -400,34 +467,105 @@ class Gateway:
         self.engine_error(model, failure.status, "", request.scope, failure)
         raise failure
 
+    async def _prefill_step(
+        self,
+        decision: RouteReply,
+        endpoint: str,
+        model: str,
+        body: bytes,
+        headers: Mapping[str, str],
+    ) -> tuple[bytes, bool]:
+        """A disaggregated request's prefill step on decision.prefill_url (gateway/disagg.py):
+        the body for the decode replica, and whether the prefill failed (the decode replica
+        then computes the prompt itself). The prefill replica is released either way."""
+        try:
+            if endpoint not in disagg.GENERATING:
+                self.metrics.pd_requests.labels(model, "not_generating").inc()
+                return body, False
+            try:
+                params = await disagg.prefill(
+                    self.relay, decision.prefill_url + endpoint, body, headers
+                )
+            except disagg.PrefillFailed as err:
+                log.warning(
+                    "prefill on replica %s failed, decode replica %s computes the prompt: %s",
+                    decision.prefill_replica_id,
+                    decision.replica_id,
+                    err,
+                )
+                self.metrics.pd_requests.labels(model, "prefill_failed").inc()
+                return body, True
+            self.metrics.pd_requests.labels(model, "transferred").inc()
+            return disagg.decode_body(body, params), False
+        finally:
+            self.routing.release(decision.prefill_replica_id, model)
+
     async def prefix_hints(
         self, model: str, body: bytes, headers: Mapping[str, str]
     ) -> dict[str, Any]:
         """The Route fields for prefix-aware routing (contracts/prompt_tokens.py RouteHints).
-        A body over `INLINE_HINT_BYTES` is decoded and tokenized on a small thread pool, so
-        that a long prompt does not stall every other request on the event loop; with
+
+        None when they cannot change the decision: the model has fewer replicas in the
+        routing view than `gateway.prefix_hints_min_replicas` (2: one, or none). Otherwise
+        the prompt cache is walked here (dict lookups); what it leaves, when over
+        `INLINE_HINT_BYTES` characters, is rendered and tokenized on a small thread pool,
+        so that a long prompt does not stall every other request on the event loop; with
         `MAX_HINTS_WAITING` already waiting there, the request goes without prefix hints
         (routed on load and session alone: the hints are an optimisation)."""
         route_hints = self.route_hints
         assert route_hints is not None
-        model = self.routing.view.served_as(model)  # an alias: hashed as its target's model
+        view = self.routing.view
+        model = view.served_as(model)  # an alias: hashed as its target's model
         if not route_hints.covers(model):
             return route_hints.hints(model, {}, headers)
-        if len(body) <= INLINE_HINT_BYTES:
-            return route_hints.hints(model, _dict.decode(body), headers)
+        replicas = view.replicas_of(route_hints.base_model(model))
+        if replicas is not None and replicas < self.config.prefix_hints_min_replicas:
+            self.metrics.hints_skipped.labels("one_replica").inc()
+            return _session_only(headers)
+        if len(body) > HINT_DECODE_INLINE_BYTES:
+            plan = None
+        else:
+            plan = route_hints.plan(model, _dict.decode(body), headers)
+            if plan.work <= INLINE_HINT_BYTES:
+                return plan.run()
         if self._hints_waiting >= MAX_HINTS_WAITING:
             log.debug("prefix hints skipped: %d prompts waiting to be tokenized", MAX_HINTS_WAITING)
-            session = headers.get(SESSION_HEADER)
-            return {"session_key": session[:256]} if session else {}
+            self.metrics.hints_skipped.labels("busy").inc()
+            return _session_only(headers)
         if self._hint_pool is None:
             self._hint_pool = ThreadPoolExecutor(HINT_THREADS, thread_name_prefix="prefix-hints")
         self._hints_waiting += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._hint_pool, _decoded_hints, route_hints, model, body, headers
-            )
+            loop = asyncio.get_running_loop()
+            if plan is None:
+                return await loop.run_in_executor(
+                    self._hint_pool, _decoded_hints, route_hints, model, body, headers
+                )
+            return await loop.run_in_executor(self._hint_pool, plan.run)
         finally:
             self._hints_waiting -= 1
+
+    async def _hold_for_wake(
+        self, model: str, priority: str, hints: Mapping[str, Any]
+    ) -> RouteReply | None:
+        """Hold a request for a model whose pool is at zero (or still starting) until a
+        replica of it serves, up to its wake budget: ask the router again every
+        WAKE_POLL_S (each Route that finds no replica is the demand that wakes the pool).
+        Nothing is sent to the client meanwhile, streaming or not. None, or a reply without
+        a replica: the budget ran out."""
+        deadline = time.monotonic() + self.wake_budgets[model]
+        decision: RouteReply | None = None
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(WAKE_POLL_S, left))
+            try:
+                decision = await self.routing.route(model, priority=priority, **hints)
+            except RouterUnavailable:
+                continue
+            if decision.replica_id:
+                self.metrics.wake_holds.labels(model, "served").inc()
+                return decision
+        self.metrics.wake_holds.labels(model, "timeout").inc()
+        return decision
 
     async def _overflow(
         self,
@@ -461,6 +599,17 @@ class Gateway:
             if not (keep_span and isinstance(err, UpstreamFailed)):
                 _end(span, err.status)
             raise
+
+    def deployment_metrics(
+        self, model: str, version: str, adapter: str
+    ) -> quality.DeploymentMetrics:
+        """The online quality counters of one deployment (gateway/quality.py); the labels
+        come from the router (a routable name, a registered version and adapter)."""
+        key = (model, version, adapter)
+        children = self._deployments.get(key)
+        if children is None:
+            children = self._deployments[key] = quality.DeploymentMetrics(self.metrics, *key)
+        return children
 
     def model_metrics(self, model: str, tenant: str) -> _ModelMetrics:
         key = (model, tenant)
@@ -531,6 +680,35 @@ class Gateway:
             )
         )
 
+    def write_usage(self, exchange: _Exchange, status: int) -> None:
+        """The request's usage record (contracts/usage.py): one per answer a replica (or the
+        external API) gave, whatever its status; a request retried elsewhere has one per try
+        that reached a replica's answer."""
+        assert self.usage is not None
+        now = time.time()
+        route = exchange.route
+        scope = exchange.scope or {}
+        self.usage.write(
+            UsageRecord(
+                start=round(now - (time.perf_counter() - exchange.started), 3),
+                end=round(now, 3),
+                tenant=exchange.tenant.name,
+                model=exchange.model,
+                prompt_tokens=exchange.prompt,
+                completion_tokens=exchange.completion,
+                status=status,
+                replica=exchange.replica_id,
+                served=route.model if route is not None else "",
+                version=route.model_ref if route is not None else "",
+                adapter=route.adapter if route is not None else "",
+                key_id=exchange.tenant.key_id,
+                request_id=str(
+                    scope.get("hpcserve.request_id") or _header(scope, b"x-request-id") or ""
+                )[:128],
+                external=route is None,
+            )
+        )
+
 
 AUTH_LOG_EVERY_S = 10.0
 
@@ -588,6 +766,11 @@ def _decoded_hints(
     return route_hints.hints(model, _dict.decode(body), headers)
 
 
+def _session_only(headers: Mapping[str, str]) -> dict[str, Any]:
+    session = headers.get(SESSION_HEADER)
+    return {"session_key": session[:256]} if session else {}
+
+
 def _with_model(body: bytes, model: str) -> bytes:
     payload = _dict.decode(body)
     payload["model"] = model
@@ -606,17 +789,20 @@ class _Exchange:
 
     __slots__ = (
         "completion",
+        "deployment",
         "first_at",
         "gateway",
         "limited",
         "model",
         "prompt",
         "replica_id",
+        "route",
         "scope",
         "span",
         "started",
         "stream",
         "tenant",
+        "watch",
     )
 
     def __init__(
@@ -629,10 +815,13 @@ class _Exchange:
         stream: bool,
         span: Any,
         scope: MutableMapping[str, Any] | None = None,
+        route: RouteReply | None = None,
     ) -> None:
         """scope: the request's; its audit line is then written at done() (a stream's
-        tokens and status are known only at its end), not by the endpoint."""
+        tokens and status are known only at its end), not by the endpoint. route: the
+        router's answer (None: the external API), for the usage record."""
         self.scope = scope
+        self.route = route
         if scope is not None:
             scope["hpcserve.exchange"] = True
         self.gateway = gateway
@@ -646,6 +835,10 @@ class _Exchange:
         self.first_at = 0.0
         self.prompt = 0
         self.completion = 0
+        # A replica's answer: its deployment's quality counters and what it said (set by
+        # the caller; None for the external API).
+        self.deployment: quality.DeploymentMetrics | None = None
+        self.watch: quality.OutputWatch | None = None
         gateway.metrics.in_flight.inc()
 
     def first_byte(self) -> None:
@@ -655,8 +848,11 @@ class _Exchange:
         self.prompt = prompt_tokens
         self.completion = completion_tokens
 
-    def abandon(self) -> None:
-        """The relay raised: release the replica; the caller settles quota and trace."""
+    def abandon(self, failed: bool = False) -> None:
+        """The relay raised: release the replica; the caller settles quota and trace.
+        failed: the engine failed (counted against its deployment)."""
+        if failed and self.deployment is not None:
+            self.deployment.failed()
         if self.scope is not None:
             self.scope.pop("hpcserve.exchange", None)  # the endpoint writes the audit line
         self.gateway.metrics.in_flight.dec()
@@ -684,11 +880,17 @@ class _Exchange:
                 if self.completion > 1:
                     per_token = (time.perf_counter() - self.first_at) / (self.completion - 1)
                     m.tpot.observe(per_token)
+        if self.deployment is not None:
+            streamed = self.stream and self.first_at
+            ttft = self.first_at - self.started if streamed else None
+            self.deployment.answered(status, self.watch, ttft)
         if self.span is not None:
             assert gateway.tracing is not None
             gateway.tracing.finish(self.span, status, self.prompt, self.completion)
         if self.scope is not None and gateway.audit.enabled:
             gateway.audit_request(self.scope, status, self)
+        if gateway.usage is not None:
+            gateway.write_usage(self, status)
         if status >= 500:
             gateway.engine_error(
                 self.model, status, self.replica_id, self.scope or {}, "answered with an error"
@@ -867,10 +1069,18 @@ async def list_models(gateway: Gateway, request: Request) -> Response:
     only those the tenant may use (its allowed_models)."""
     tenant = gateway.keys.tenant_for(request.headers.get("authorization"))
     allowed = tenant.config.allowed_models
+    listed = await _listed_models(gateway)
     data = [
         _model_card(m.id, m.created, m.replicas, m.parent, m.alias_of)
-        for m in await _listed_models(gateway)
+        for m in listed
         if not allowed or m.id in allowed
+    ]
+    # A pool scaled to zero has no replica, but its model is there: a request wakes it.
+    served = {m.id for m in listed}
+    data += [
+        _model_card(model, 0, 0)
+        for model in sorted(gateway.wake_budgets)
+        if model not in served and (not allowed or model in allowed)
     ]
     return JSONResponse({"object": "list", "data": data})
 
@@ -932,7 +1142,12 @@ async def metrics(gateway: Gateway, request: Request) -> Response:
             type="authentication_error",
             code="invalid_metrics_token",
         )
-    return Response(generate_latest(gateway.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+    body = generate_latest(gateway.metrics_registry)
+    workers = gateway.workers
+    if workers is not None and not request.headers.get(LOCAL_HEADER):
+        # Several workers on this port (gateway/workers.py): every worker's series.
+        body = await workers.merged(body, request.headers.get("authorization", ""))
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 _HOT: tuple[tuple[str, str, Handler], ...] = (

@@ -216,6 +216,19 @@ def no_replica(model: str, retry_after_s: int = 5) -> APIError:
     )
 
 
+def model_starting(model: str, waited_s: float, retry_after_s: int) -> APIError:
+    """A request for a model whose pool was scaled to zero and did not wake within the
+    gateway's hold budget (pools[].autoscale.wake_budget_s)."""
+    return APIError(
+        503,
+        f"The model '{model}' was scaled to zero and is starting; no replica came within "
+        f"{waited_s:g}s. Retry after {retry_after_s}s",
+        type="server_error",
+        code="model_starting",
+        retry_after_s=retry_after_s,
+    )
+
+
 def upstream_timeout(setting: str, seconds: float) -> APIError:
     return APIError(
         504,

@@ -220,6 +220,25 @@ class GatewayMetrics:
             "Requests retried on another replica after a failure before the first byte",
             ["model"],
         )
+        self.pd_requests = Counter(
+            "hpcserve_gateway_pd_requests",
+            "Disaggregated requests by prefill outcome (transferred: prefilled on the prefill "
+            "replica, decoded on the decode replica; prefill_failed: the decode replica "
+            "computed the prompt itself; not_generating: an endpoint without a decode)",
+            ["model", "outcome"],
+        )
+        self.wake_holds = Counter(
+            "hpcserve_gateway_wake_holds",
+            "Requests held for a model with no replica whose pool scales to zero, by outcome "
+            "(served: a replica came within autoscale.wake_budget_s; timeout: answered 503)",
+            ["model", "outcome"],
+        )
+        self.hints_skipped = Counter(
+            "hpcserve_gateway_prefix_hints_skipped",
+            "Requests routed without prefix hints: one_replica (they cannot change the "
+            "decision), busy (too many prompts waiting to be tokenized)",
+            ["reason"],
+        )
         self.rejected = Counter(
             "hpcserve_gateway_quota_rejections",
             "Requests refused with 429 by tenant and limit",
@@ -238,6 +257,11 @@ class GatewayMetrics:
             "hpcserve_gateway_audit_failures",
             "Audit log lines that could not be written (gateway.audit_log)",
         )
+        self.usage_failures = Counter(
+            "hpcserve_gateway_usage_failures",
+            "Usage records that could not be written (gateway.usage_dir; hpcserve report "
+            "misses their tokens)",
+        )
         self.engine_errors = Counter(
             "hpcserve_gateway_engine_errors",
             "Engine failures that reached a client (5xx answers, and failures mid-stream) by "
@@ -250,9 +274,56 @@ class GatewayMetrics:
             "request id): a bug to report",
             ["endpoint"],
         )
+        # Online quality per deployment (gateway/quality.py): by the name asked for, the
+        # registry version that answered and the LoRA adapter; staged rollouts compare these.
+        deployment = ["model", "version", "adapter"]
+        self.answers = Counter(
+            "hpcserve_gateway_deployment_answers",
+            "Answers (and failed attempts) of replicas by model asked for, version and adapter",
+            deployment,
+        )
+        self.answer_errors = Counter(
+            "hpcserve_gateway_deployment_errors",
+            "Of those, 5xx answers and engine failures (before or during the answer)",
+            deployment,
+        )
+        self.truncations = Counter(
+            "hpcserve_gateway_deployment_truncations",
+            'Answers with a choice that ended with finish_reason "length"',
+            deployment,
+        )
+        self.structured = Counter(
+            "hpcserve_gateway_deployment_structured",
+            "Answers (200) to requests for JSON output (response_format json_object or "
+            "json_schema, structured_outputs.json)",
+            deployment,
+        )
+        self.structured_invalid = Counter(
+            "hpcserve_gateway_deployment_structured_invalid",
+            "Of those, answers whose text is not valid JSON",
+            deployment,
+        )
+        self.refusals = Counter(
+            "hpcserve_gateway_deployment_refusals",
+            "Answers that open with a refusal phrase (a heuristic: gateway/quality.py)",
+            deployment,
+        )
+        self.deployment_ttft = Histogram(
+            "hpcserve_gateway_deployment_ttft_seconds",
+            "Streamed answers: time from routing to the engine's first chunk",
+            deployment,
+            buckets=_LATENCY_BUCKETS,
+        )
         registry.register(
             _Collector(
                 [
+                    self.answers,
+                    self.answer_errors,
+                    self.truncations,
+                    self.structured,
+                    self.structured_invalid,
+                    self.refusals,
+                    self.deployment_ttft,
                     self.requests,
                     self.latency,
                     self.in_flight,
@@ -262,10 +333,14 @@ class GatewayMetrics:
                     self.queue,
                     self.overflow,
                     self.retries,
+                    self.pd_requests,
+                    self.wake_holds,
+                    self.hints_skipped,
                     self.rejected,
                     self.quota_sync_failures,
                     self.auth_failures,
                     self.audit_failures,
+                    self.usage_failures,
                     self.engine_errors,
                     self.internal_errors,
                 ]

@@ -33,6 +33,7 @@ from hpcserve.gateway.errors import (
     upstream_timeout,
     upstream_unreachable,
 )
+from hpcserve.gateway.quality import OutputWatch
 from hpcserve.gateway.upstream_http import (
     UpstreamClient,
     UpstreamError,
@@ -150,10 +151,12 @@ class Relay:
         exchange: Exchange,
         strip_usage: bool = False,
         strip_continuous: bool = False,
+        watch: OutputWatch | None = None,
     ) -> Response:
         """POST body to url with headers. strip_usage: drop the stream's usage-only event;
         strip_continuous: drop the usage from the other events (continuous_usage_stats the
-        client did not ask for)."""
+        client did not ask for); watch: sees a successful answer's body or every chunk
+        (gateway/quality.py) before `exchange.done`."""
         try:
             upstream = await self._client.request("POST", url, body, headers)
         except UpstreamTimeout as err:
@@ -190,6 +193,8 @@ class Relay:
                     found = None
                 if found is not None:
                     _report_usage(exchange, found)
+                if watch is not None:
+                    watch.whole(payload)
             elif status >= 400:
                 payload = openai_error_body(status, payload, headers.get("x-request-id", ""))
                 response_headers = [h for h in response_headers if h[0] != b"content-type"]
@@ -229,6 +234,7 @@ class Relay:
                 self.timeout_setting,
                 headers.get("x-request-id", ""),
                 first,
+                watch,
             ),
             status_code=status,
             # Also after a disconnect before the first chunk, when the generator never ran.
@@ -236,6 +242,22 @@ class Relay:
         )
         response.raw_headers = response_headers
         return response
+
+
+    async def call(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """POST body to url and read the whole answer: the gateway's own request to an engine
+        (a disaggregated request's prefill step, gateway/disagg.py), reported to no exchange.
+        Raises UpstreamFailed when the engine cannot be reached or breaks off, and a 504 when
+        it is silent past the timeout: never waits longer."""
+        try:
+            upstream = await self._client.request("POST", url, body, headers)
+            return upstream.status, await upstream.read()
+        except UpstreamTimeout as err:
+            if err.phase == "connect":
+                raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
+            raise upstream_timeout(self.timeout_setting, self.upstream_timeout_s) from None
+        except UpstreamError as err:
+            raise UpstreamFailed(**_unreachable(f"{url}: {err}")) from None
 
 
 def _unreachable(detail: str) -> dict[str, Any]:
@@ -370,6 +392,7 @@ async def _relay_chunks(
     timeout_setting: str = "gateway.upstream_timeout_s",
     request_id: str = "",
     first_chunk: bytes = b"",
+    watch: OutputWatch | None = None,
 ) -> AsyncIterator[bytes]:
     # Closing the upstream response when the client goes away (this generator is
     # cancelled or closed) drops the engine connection, and vLLM aborts the request.
@@ -383,6 +406,8 @@ async def _relay_chunks(
             if first:
                 exchange.first_byte()
                 first = False
+            if watch is not None:
+                watch.feed(chunk)
             if (
                 not pending
                 and chunk.endswith(b"\n\n")

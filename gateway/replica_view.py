@@ -36,6 +36,7 @@ class ReplicaView:
         self._aliases: dict[str, str] = {}  # alias -> the version it routes to
         # version (name@version) -> (replica id, url, served model name) of its replicas
         self._by_ref: dict[str, list[tuple[str, str, str]]] = {}
+        self._ref_of: dict[str, str] = {}  # replica id -> the version it serves
         self._updated_at: float | None = None
         self._in_flight: dict[str, int] = {}
         self.router_away = False
@@ -45,11 +46,13 @@ class ReplicaView:
     ) -> None:
         by_model: dict[str, list[tuple[str, str]]] = {}
         by_ref: dict[str, list[tuple[str, str, str]]] = {}
+        ref_of: dict[str, str] = {}
         for r in replicas:
             by_model.setdefault(r.model, []).append((r.replica_id, r.url))
             if r.model_ref:
                 by_ref.setdefault(r.model_ref, []).append((r.replica_id, r.url, r.model))
-        self._by_model, self._by_ref = by_model, by_ref
+                ref_of[r.replica_id] = r.model_ref
+        self._by_model, self._by_ref, self._ref_of = by_model, by_ref, ref_of
         self._aliases = dict(aliases or {})
         self._updated_at = self._clock()
         if self.router_away:
@@ -78,6 +81,16 @@ class ReplicaView:
         serving = Counter(served for _, _, served in self._by_ref.get(self._aliases[model], ()))
         return serving.most_common(1)[0][0] if serving else model
 
+    def replicas_of(self, model: str) -> int | None:
+        """How many replicas the last set lists for `model` (an alias: its target version's);
+        None when no set, or none younger than `max_age_s`, is known."""
+        age = self.age_s()
+        if age is None or age > self.max_age_s:
+            return None
+        if model in self._by_model or model not in self._aliases:
+            return len(self._by_model.get(model, ()))
+        return len(self._by_ref.get(self._aliases[model], ()))
+
     def pick(self, model: str, exclude: Iterable[str] = ()) -> p.RouteReply | None:
         """A replica of the last known set for `model` (or the alias `model`), least loaded
         by this gateway."""
@@ -99,7 +112,8 @@ class ReplicaView:
             [r for r in candidates if self._in_flight.get(r[0], 0) == lowest]
         )
         self._in_flight[replica_id] = lowest + 1
-        return p.RouteReply(0, replica_id, url, model=served)
+        ref = self._ref_of.get(replica_id, "")
+        return p.RouteReply(0, replica_id, url, model=served, model_ref=ref)
 
     def released(self, replica_id: str) -> None:
         count = self._in_flight.get(replica_id)

@@ -1,10 +1,16 @@
 """A gateway's RouteHints for the configured pools: which models' prompts are hashed, with
-which tokenizer and block size (the pool config and the model registry say)."""
+which tokenizer and block size (the pool config and the model registry say), each with a
+prompt cache of `gateway.prompt_cache_mb` (contracts/prompt_cache.py) and its metrics."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from hpcserve.config import PlatformConfig
 from hpcserve.contracts.engine_args import engine_block_size
@@ -22,6 +28,7 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
     if config.router.routing.policy != "kv-aware":
         return None
     hints = RouteHints()
+    cache_bytes = config.gateway.prompt_cache_mb << 20
     for pool in config.pools:
         model_path, engine_args = pool.model_path, list(pool.engine_args)
         try:
@@ -35,7 +42,7 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
         except Exception as err:  # a bad tokenizer must not stop the gateway
             log.warning("pool %s: no prefix-aware routing (tokenizer: %s)", pool.name, err)
             continue
-        hints.add_model(pool.model, tokenizer, size)
+        hints.add_model(pool.model, tokenizer, size, cache_bytes)
         log.info("pool %s: prefix-aware routing with %d-token blocks", pool.name, size)
         if pool.max_loras:
             # A request naming an adapter is hashed from the adapter's chain seed, as the
@@ -71,3 +78,54 @@ def _registered_source(config: PlatformConfig, ref: str) -> tuple[str, list[str]
     finally:
         registry.close()
     return version.source, list(version.engine_args)
+
+
+class PromptCacheMetrics(Collector):
+    """The prompt caches' counts, read at scrape time (nothing on the request path)."""
+
+    def __init__(self, hints: RouteHints) -> None:
+        self.hints = hints
+
+    def collect(self) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            "hpcserve_gateway_prompt_cache_tokens",
+            "Prompt tokens of prefix-hinted requests by model: hit (their rendering, tokens "
+            "and block hashes came from the prompt cache) or miss (rendered and tokenized); "
+            "the hit rate is hit / (hit + miss)",
+            labels=["model", "result"],
+        )
+        size = GaugeMetricFamily(
+            "hpcserve_gateway_prompt_cache_bytes",
+            "Memory the prompt cache holds, about (bounded by gateway.prompt_cache_mb)",
+            labels=["model"],
+        )
+        evicted = CounterMetricFamily(
+            "hpcserve_gateway_prompt_cache_evictions",
+            "Leading prompt parts dropped from the prompt cache to stay within its bound",
+            labels=["model"],
+        )
+        mismatches = CounterMetricFamily(
+            "hpcserve_gateway_prompt_cache_mismatches",
+            "Sampled prompts whose rendering message by message differed from rendering them "
+            "whole (the model's prompts are rendered whole after the first)",
+            labels=["model"],
+        )
+        by_message = GaugeMetricFamily(
+            "hpcserve_gateway_prompt_cache_by_message",
+            "1 when the model's chat prompts are rendered and cached message by message, 0 "
+            "when whole (its template does not render messages independently)",
+            labels=["model"],
+        )
+        for model, cache, mismatch_count, chunked in self.hints.cache_stats():
+            tokens.add_metric([model, "hit"], cache.hit_tokens)
+            tokens.add_metric([model, "miss"], cache.miss_tokens)
+            size.add_metric([model], cache.bytes)
+            evicted.add_metric([model], cache.evicted)
+            mismatches.add_metric([model], mismatch_count)
+            by_message.add_metric([model], 1 if chunked else 0)
+        yield from (tokens, size, evicted, mismatches, by_message)
+
+
+def register_cache_metrics(registry: CollectorRegistry, hints: RouteHints | None) -> None:
+    if hints is not None:
+        registry.register(PromptCacheMetrics(hints))

@@ -316,8 +316,16 @@ class RoutingClient:
                 if reply.epoch != self.epoch:
                     self._see_epoch(reply.epoch)
                 _count(self._declared, (reply.replica_id, model))
-            # The router is loading the LoRA adapter `model` names: ask again shortly.
-            if reply.error != "adapter_loading" or self._loop.time() >= give_up_at:
+            # The router is loading the LoRA adapter `model` names, or has just started and
+            # the engines are re-registering: route on the last replica list if it has one,
+            # else ask again shortly.
+            if reply.error == p.ROUTER_STARTING and (
+                fallback := self.view.pick(model, exclude or ())
+            ):
+                _count(self._undeclared, (fallback.replica_id, model))
+                return fallback
+            waiting = reply.error in ("adapter_loading", p.ROUTER_STARTING)
+            if not waiting or self._loop.time() >= give_up_at:
                 return reply
             await asyncio.sleep(0.05)
 

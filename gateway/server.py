@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import ssl
 from pathlib import Path
 from typing import Any
@@ -12,20 +13,33 @@ import msgspec
 import uvicorn
 
 from hpcserve.config import ConfigError, GatewayConfig, PlatformConfig
+from hpcserve.contracts.curve import ensure_keys
 from hpcserve.contracts.engine_token import ensure_token
 from hpcserve.contracts.private_files import private_dir
 from hpcserve.contracts.zmtp_curve import routing_client_keys
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.batch.service import BatchService
-from hpcserve.gateway.route_hints import route_hints_for
+from hpcserve.gateway.route_hints import register_cache_metrics, route_hints_for
+from hpcserve.gateway.workers import (
+    WorkerSet,
+    private_socket,
+    reuseport_socket,
+    run_workers,
+    worker_address,
+)
 
 log = logging.getLogger(__name__)
 
 
-def build_gateway_app(config: PlatformConfig):  # type: ignore[no-untyped-def]
+def build_gateway_app(  # type: ignore[no-untyped-def]
+    config: PlatformConfig, workers: WorkerSet | None = None
+):
     private_dir(config.state_dir)
+    ensure_keys(config.router.curve_dir, config.state_dir)  # <state_dir>/curve's, if absent
     gateway = Gateway(
-        msgspec.structs.replace(config.gateway, responses_dir=config.responses_dir()),
+        msgspec.structs.replace(
+            config.gateway, responses_dir=config.responses_dir(), usage_dir=config.usage_dir()
+        ),
         routing_endpoint=config.router.gateways_dial(),
         routing_keys=routing_client_keys(config.router.curve_dir),
         configured_models={pool.model for pool in config.pools},
@@ -34,7 +48,14 @@ def build_gateway_app(config: PlatformConfig):  # type: ignore[no-untyped-def]
         metrics_token=ensure_token(config.metrics_token_path()),
     )
     gateway.route_hints = route_hints_for(config)
+    register_cache_metrics(gateway.metrics_registry, gateway.route_hints)
     gateway.messages_refused = {pool.model for pool in config.pools if not pool.messages_api}
+    gateway.wake_budgets = {
+        pool.model: pool.autoscale.wake_budget_s
+        for pool in config.pools
+        if pool.autoscale is not None and pool.autoscale.min == 0
+    }
+    gateway.workers = workers
     return build_app(gateway)
 
 
@@ -61,11 +82,39 @@ def tls_settings(gateway: GatewayConfig) -> dict[str, Any]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
-def run_gateway(config: PlatformConfig) -> None:
+def run_gateway(config: PlatformConfig) -> int:
+    """Serve until stopped: in this process, or with `gateway.workers` > 1 in that many
+    worker processes sharing the port (gateway/workers.py). Returns the exit status."""
+    workers = config.gateway.workers
+    if workers <= 1:
+        _serve(config, None, [])
+        return 0
+    tls_settings(config.gateway)  # a bad certificate is refused here, not by each worker
+    # Made once here, not by every worker at the same moment (each would write its own).
+    private_dir(config.state_dir)
+    ensure_keys(config.router.curve_dir, config.state_dir)
+    ensure_token(config.engine_token_path())
+    ensure_token(config.metrics_token_path())
+    return run_workers(workers, config.gateway.host, config.gateway.port, _worker, (config,))
+
+
+def _worker(config: PlatformConfig, index: int) -> None:
+    """One worker process (spawned): its own logging, its own SO_REUSEPORT socket, and its
+    private socket where the others gather its metrics."""
+    from hpcserve.logs import setup_logging
+
+    setup_logging(f"gateway-{index}")
+    gw = config.gateway
+    addresses = [worker_address(config.state_dir, gw.host, gw.port, i) for i in range(gw.workers)]
+    sockets = [reuseport_socket(gw.host, gw.port), private_socket(addresses[index])]
+    _serve(config, WorkerSet(index, addresses, tls=bool(gw.tls_cert)), sockets)
+
+
+def _serve(config: PlatformConfig, workers: WorkerSet | None, sockets: list[socket.socket]) -> None:
     tls = tls_settings(config.gateway)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_gateway_app(config),
+            build_gateway_app(config, workers),
             host=config.gateway.host,
             port=config.gateway.port,
             loop="uvloop",
@@ -79,4 +128,4 @@ def run_gateway(config: PlatformConfig) -> None:
             **tls,
         )
     )
-    server.run()
+    server.run(sockets=sockets or None)

@@ -3,7 +3,8 @@
 Two threads feed one queue of reports that the engine's serve loop reads (it owns the
 router socket): an Xid watcher blocked in NVML's event wait (a new Xid is reported within
 its 0.5 s wait), and a check round every `probe_interval_s`: the GPU state checks, the
-one-token generation probe and the token-progress check. `ReplicaHealth` (pure) turns the
+one-token generation probe, the token-progress check and, where the version has a golden
+record, the numerical canary (health/canary.py). `ReplicaHealth` (pure) turns the
 reports into what the engine does: tell the router, leave routing, drain, rejoin, give up.
 """
 
@@ -25,6 +26,7 @@ import pynvml
 from hpcserve.config import HealthConfig
 from hpcserve.contracts.health_policy import severity, worst_action
 from hpcserve.contracts.protocol import HealthFinding
+from hpcserve.health.canary import CanaryOutcome, CanaryWatch
 from hpcserve.health.engine_checks import GenerationProbe, TokenProgress, parse_counters
 from hpcserve.health.gpu_checks import GpuChecks, XidWatcher, parse_visible_devices, select_gpus
 from hpcserve.health.nvml import NvmlUnavailable, fake_state_path, open_nvml
@@ -41,6 +43,8 @@ class Report:
     # A full check round (GPU state and engine): when clean, a replica out of routing for an
     # engine finding may rejoin. Xid events are not rounds.
     round: bool = False
+    # A numerical canary ran in this round (health/canary.py): its outcome, for the router.
+    canary: CanaryOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +111,24 @@ class HealthMonitor:
         visible: list[str] | None = None,
         expected_gpus: int = 0,
         engine_token: str = "",
+        canary_record: str = "",
+        model_ref: str = "",
     ) -> None:
         self.config = config
         self.policy = Policy(config)
+        # The periodic numerical canary, where the job names a golden record's file.
+        self.canary: CanaryWatch | None = None
+        if canary_record and engine_url and config.canary_interval_s > 0:
+            self.canary = CanaryWatch(
+                canary_record,
+                engine_url=engine_url,
+                model=model,
+                model_ref=model_ref,
+                policy=self.policy,
+                interval_s=config.canary_interval_s,
+                deadline_s=config.canary_deadline_s,
+                engine_token=engine_token,
+            )
         self.engine_url = engine_url.rstrip("/")
         self.probe = GenerationProbe(engine_url, model, engine_token=engine_token)
         self.progress = TokenProgress(config.stall_s)
@@ -177,7 +196,11 @@ class HealthMonitor:
             stalled = self.progress.update(parse_counters(text), time.monotonic())
             if stalled:
                 findings.append(self.policy.finding("engine_stall", f"engine stalled: {stalled}"))
-        return Report(findings, round=True)
+        outcome = None
+        if self.canary is not None:
+            canary_findings, outcome = self.canary.round()
+            findings += canary_findings
+        return Report(findings, round=True, canary=outcome)
 
     def _check_loop(self) -> None:
         while not self._stop.wait(self.config.probe_interval_s):
@@ -217,6 +240,8 @@ def monitor_for_engine(
     node: str,
     env: Mapping[str, str] | None = None,
     engine_token: str = "",
+    canary_record: str = "",
+    model_ref: str = "",
 ) -> HealthMonitor | None:
     """The monitor for one engine as its job's environment configures it; None when off."""
     env = os.environ if env is None else env
@@ -242,4 +267,6 @@ def monitor_for_engine(
         visible=parse_visible_devices(env.get("CUDA_VISIBLE_DEVICES")),
         expected_gpus=int(expected) if expected.isdigit() else 0,
         engine_token=engine_token,
+        canary_record=canary_record,
+        model_ref=model_ref,
     )

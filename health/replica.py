@@ -1,7 +1,8 @@
 """The engine's side of health: runs the monitor and acts on its reports in the engine's
 serve loop, which owns the router socket.
 
-- a new finding is sent to the router (HealthReport) and logged, one line each;
+- a new finding is sent to the router (HealthReport) and logged, one line each; each
+  numerical canary the monitor ran is counted there (CanaryReport);
 - stop_routing: the router drops the replica at once; the engine stops heartbeating but
   keeps serving what it has, keeps checking, and registers again after a clean round;
   out of routing longer than health.give_up_s, it gives up (the job fails and is replaced);
@@ -67,6 +68,7 @@ class EngineHealth:
         on_drain: Callable[[str], None],
         on_give_up: Callable[[str], None],
         engine_token: str = "",
+        canary_record: str = "",
     ) -> EngineHealth | None:
         monitor = monitor_for_engine(
             engine=engine,
@@ -74,6 +76,8 @@ class EngineHealth:
             model=registration.model,
             node=registration.node,
             engine_token=engine_token,
+            canary_record=canary_record,
+            model_ref=registration.model_ref,
         )
         if monitor is None:
             log.info("health monitor off (health.monitor = false)")
@@ -88,6 +92,16 @@ class EngineHealth:
     def step(self) -> None:
         reg = self.registration
         for report in self.monitor.reports():
+            if report.canary is not None:
+                self.agent.send(
+                    p.CanaryReport(
+                        replica_id=reg.replica_id,
+                        model_ref=reg.model_ref,
+                        result=report.canary.result,
+                        stage="periodic",
+                        detail=report.canary.detail,
+                    )
+                )
             decision = self.state.update(report, self._clock())
             for finding in decision.report:
                 log.warning(

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpcserve.config import (
     DEFAULT_STATE_DIR,
@@ -17,21 +18,27 @@ from hpcserve.config import (
     load_config,
 )
 
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
 
 def _load(args: argparse.Namespace) -> PlatformConfig:
     return load_config(config_path(args.config))
 
 
-def _start_metrics(port: int, registry: object) -> None:
+def _start_metrics(port: int, registry: CollectorRegistry, cfg: PlatformConfig) -> None:
+    """/metrics on 127.0.0.1:port behind the metrics token (contracts/metrics_http.py)."""
     if port:
-        from prometheus_client import start_http_server
+        from hpcserve.contracts.engine_token import ensure_token
+        from hpcserve.contracts.metrics_http import start_metrics_server
 
-        start_http_server(port, addr="127.0.0.1", registry=registry)  # type: ignore[arg-type]
+        start_metrics_server(port, registry, ensure_token(cfg.metrics_token_path()))
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
+    from hpcserve.contracts.curve import ensure_keys
     from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
     from hpcserve.router.aliases import AliasCatalog, AliasRouter
     from hpcserve.router.server import RouterServer
@@ -44,13 +51,21 @@ def cmd_router(args: argparse.Namespace) -> int:
     aliases = AliasRouter(
         AliasCatalog.from_registry(cfg.registry_path(), refresh_s=cfg.router.alias_refresh_s)
     )
-    server = RouterServer(cfg.router, metrics_registry=registry, adapters=adapters, aliases=aliases)
+    server = RouterServer(
+        cfg.router,
+        metrics_registry=registry,
+        adapters=adapters,
+        aliases=aliases,
+        # A restart: running engines re-register within a lease; gateways wait, not fail.
+        restart_grace_s=cfg.router.lease_s,
+    )
     try:
+        ensure_keys(cfg.router.curve_dir, cfg.state_dir)  # <state_dir>/curve's, if absent
         server.bind()
-    except RuntimeError as err:  # a port in use, plain registry on a public address, keys
+    except (RuntimeError, OSError) as err:  # a port in use, plain on a public address, keys
         print(f"hpcserve router: {err}", file=sys.stderr)
         return 2
-    _start_metrics(cfg.router.metrics_port, registry)
+    _start_metrics(cfg.router.metrics_port, registry, cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
     server.serve_forever()
@@ -58,10 +73,20 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    import msgspec
+
     from hpcserve.gateway.server import run_gateway
 
-    run_gateway(_load(args))
-    return 0
+    cfg = _load(args)
+    if args.port is not None:  # several gateways on one host: hpcserve-gateway@PORT.service
+        cfg = msgspec.structs.replace(
+            cfg, gateway=msgspec.structs.replace(cfg.gateway, port=args.port)
+        )
+    if args.workers is not None:  # processes sharing the port (gateway/workers.py)
+        cfg = msgspec.structs.replace(
+            cfg, gateway=msgspec.structs.replace(cfg.gateway, workers=args.workers)
+        )
+    return run_gateway(cfg)
 
 
 def cmd_batch_runner(args: argparse.Namespace) -> int:
@@ -92,12 +117,24 @@ def cmd_poolmgr(args: argparse.Namespace) -> int:
         if cfg.pools and args.show_script:
             print(render(build_job_spec(cfg, cfg.pools[0])))
         return 0
+    from hpcserve.poolmgr.single import EXIT_HELD, PoolMgrLock, PoolMgrLockHeld
+
+    # One pool manager per state dir, held for this process's life (poolmgr/single.py).
+    lock = PoolMgrLock(Path(cfg.state_dir))
+    try:
+        lock.acquire()
+    except PoolMgrLockHeld as err:
+        print(f"hpcserve poolmgr: {err}", file=sys.stderr)
+        return EXIT_HELD
+    from hpcserve.contracts.curve import ensure_keys
+
+    ensure_keys(cfg.router.curve_dir, cfg.state_dir)  # <state_dir>/curve's, if absent
     registry = CollectorRegistry()
     launcher = make_launcher(cfg)
     manager = PoolManager(
         cfg, launcher, config_path=config_path(args.config), metrics_registry=registry
     )
-    _start_metrics(cfg.poolmgr.metrics_port, registry)
+    _start_metrics(cfg.poolmgr.metrics_port, registry, cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: manager.stop())
     signal.signal(signal.SIGHUP, lambda *_: manager.request_reload())
@@ -145,6 +182,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         curve_dir=args.curve_dir,
         role=args.role,
         engine_token_file=args.engine_token_file,
+        canary_record=args.canary_record,
     )
     try:
         runner = EngineRunner(options)
@@ -243,16 +281,59 @@ def cmd_keys(args: argparse.Namespace) -> int:
     except CurveError as err:
         print(f"hpcserve keys: {err}", file=sys.stderr)
         return 1
-    print(f"CURVE keys written to {directory}; turn authentication on with")
-    print(f'  [router]\n  curve_dir = "{directory.resolve()}"')
+    print(f"CURVE keys written to {directory}")
+    if not args.dir:
+        print("the router's sockets use them (router.curve_dir's default, <state_dir>/curve)")
+    else:
+        print("if they are not <state_dir>/curve, point the config at them with")
+        print(f'  [router]\n  curve_dir = "{directory.resolve()}"')
+    return 0
+
+
+def cmd_install_units(args: argparse.Namespace) -> int:
+    from hpcserve.units import (
+        UnitError,
+        UnitSettings,
+        default_prefix,
+        install_units,
+        writable_paths,
+    )
+
+    path = config_path(args.config).resolve()
+    cfg = load_config(path)
+    settings = UnitSettings(
+        prefix=args.prefix or default_prefix(),
+        config=str(path),
+        user=args.user,
+        group=args.group,
+        writable=writable_paths(cfg),
+        gateway_ports=tuple(args.gateway_port or [cfg.gateway.port]),
+    )
+    try:
+        written = install_units(Path(args.dest), settings)
+    except (UnitError, OSError) as err:
+        print(f"hpcserve install-units: {err}", file=sys.stderr)
+        return 2
+    for unit in written:
+        print(f"wrote {unit}")
+    print(
+        f"as {settings.user}, writing only {' '.join(settings.writable)}; then:\n"
+        "  systemctl daemon-reload && systemctl enable --now hpcserve.target"
+    )
     return 0
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
+    from hpcserve.poolmgr.single import holder_pid, lock_path
+
     cfg = _load(args)  # a config that does not validate is refused here, before any signal
-    pid_file = Path(cfg.state_dir) / "run" / "poolmgr.pid"
+    pid_file = Path(cfg.state_dir) / "run" / "poolmgr.pid"  # `hpcserve up` writes it
     try:
-        pid = int(pid_file.read_text())
+        # A pool manager under systemd is found by its lock (`systemctl reload` works too).
+        held = holder_pid(Path(cfg.state_dir))
+        if held is None and not pid_file.exists():
+            pid_file = lock_path(Path(cfg.state_dir))
+        pid = held if held is not None else int(pid_file.read_text())
         os.kill(pid, signal.SIGHUP)
     except (OSError, ValueError) as err:
         print(
@@ -290,6 +371,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         seed=args.seed,
         size=args.size,
         progress=lambda line: print(line, file=sys.stderr),
+        dtype=args.dtype,
+        perturb=args.perturb,
     )
     print(out)
     return 0
@@ -316,9 +399,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="", help="where (default: <state_dir>/curve)")
     p.add_argument("--force", action="store_true", help="replace existing keys")
     p.set_defaults(func=cmd_keys)
-    with_config(sub.add_parser("gateway", help="run the OpenAI-compatible gateway")).set_defaults(
-        func=cmd_gateway
+    p = with_config(sub.add_parser("gateway", help="run the OpenAI-compatible gateway"))
+    p.add_argument(
+        "--port",
+        type=int,
+        choices=range(1, 65536),
+        metavar="PORT",
+        help="listen here instead of gateway.port (several gateways on one host)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        choices=range(1, 513),
+        metavar="N",
+        help="worker processes sharing the port with SO_REUSEPORT, one per core to use "
+        "(instead of gateway.workers)",
+    )
+    p.set_defaults(func=cmd_gateway)
     with_config(
         sub.add_parser("batch-runner", help="run the Batch API's batches (a process of its own)")
     ).set_defaults(func=cmd_batch_runner)
@@ -377,8 +474,14 @@ def build_parser() -> argparse.ArgumentParser:
         "$HPCSERVE_ENGINE_TOKEN_FILE; empty: vLLM answers anyone)",
     )
     p.add_argument(
+        "--canary-record",
+        default=os.environ.get("HPCSERVE_CANARY_RECORD", ""),
+        help="the version's golden record (numerical canaries), checked before registering "
+        "and periodically; it may appear later (default: $HPCSERVE_CANARY_RECORD; empty: none)",
+    )
+    p.add_argument(
         "--role",
-        choices=["interactive", "batch"],
+        choices=["interactive", "batch", "prefill", "decode"],
         default=os.environ.get("HPCSERVE_POOL_ROLE", "interactive"),
         help="the pool's role, told to the router (default: $HPCSERVE_POOL_ROLE or interactive)",
     )
@@ -433,6 +536,20 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(
         sub.add_parser("reload", help="validate the config, make the pool manager apply it")
     ).set_defaults(func=cmd_reload)
+    p = with_config(
+        sub.add_parser("install-units", help="write systemd units for this config (deploy/)")
+    )
+    p.add_argument("--user", default="hpcserve", help="the service account (default hpcserve)")
+    p.add_argument("--group", default="", help="its group (default: the user's name)")
+    p.add_argument("--prefix", default="", help="the venv to run (default: this one)")
+    p.add_argument("--dest", default="/etc/systemd/system", help="where to write the units")
+    p.add_argument(
+        "--gateway-port",
+        type=int,
+        action="append",
+        help="a gateway instance hpcserve.target starts (repeat; default gateway.port)",
+    )
+    p.set_defaults(func=cmd_install_units)
     p = with_config(sub.add_parser("drain-node", help="drain a node in Slurm with a reason"))
     p.add_argument("node")
     p.add_argument("--reason", required=True)
@@ -449,12 +566,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_health_parser(sub)
 
+    from hpcserve.doctor.cli import add_doctor_parser
+
+    add_doctor_parser(sub)
+
+    from hpcserve.poolmgr.rollout_cli import add_rollout_parser
+
+    add_rollout_parser(sub, with_config)
+
     models = sub.add_parser("models", help="model tools")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="COMMAND")
     p = msub.add_parser("make-tiny", help="write a tiny random-weight HF model directory")
     p.add_argument("--kind", choices=["chat", "embed", "rerank", "lora"], required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="chat: the weights' stored dtype (float16: the same weights, rounded)",
+    )
+    p.add_argument(
+        "--perturb",
+        type=float,
+        default=0.0,
+        metavar="SCALE",
+        help="chat: add seeded noise of SCALE x each matrix's std (a corrupted variant)",
+    )
     p.add_argument("dir")
     p.set_defaults(func=cmd_make_tiny)
 
@@ -463,9 +601,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_registry_parsers(msub)
     add_cache_parser(sub)
 
+    from hpcserve.onboarding.cli import add_eval_parser
+
+    add_eval_parser(msub)  # models eval REF --suite FILE [--baseline REF]
+
     from hpcserve.gateway.batch.progress import add_batches_parser
 
     add_batches_parser(sub, with_config)
+
+    from hpcserve.report.cli import add_report_parser
+
+    add_report_parser(sub, with_config)
     return parser
 
 

@@ -8,6 +8,7 @@ the parsed objects; nothing re-reads the file behind their back.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import re
 import tomllib
@@ -24,6 +25,10 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 # What clients put in "model": HF-style names such as org/model-8b are allowed.
 ModelName = Annotated[str, msgspec.Meta(pattern=r"^([A-Za-z0-9][A-Za-z0-9._/:-]{0,127})?$")]
+
+# A word of a job's launch prefix (engine.launch_prefix) and an environment module's name.
+LaunchWord = Annotated[str, msgspec.Meta(min_length=1, pattern=r"^[^\n\r\x00]+$")]
+ModuleName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+/@:-]{0,127}$")]
 
 EngineKind = Literal["vllm", "vllm-cpu", "sim"]
 Launcher = Literal["slurm", "local"]
@@ -94,12 +99,18 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     heartbeat_s: PosFloat = 2.0
     metrics_port: Port = 9101
     routing: RoutingConfig = RoutingConfig()
-    # CURVE keys (`hpcserve keys` writes <state_dir>/curve): with them the registry socket,
-    # the KV relay socket and the routing socket all authenticate and encrypt (engines hold
-    # the engine key, gateways and the CLI the gateway key). Empty: plain, which the router
-    # refuses on any non-loopback bind unless allow_plain_remote says so.
+    # CURVE keys: the registry socket, the KV relay socket and the routing socket all
+    # authenticate and encrypt (engines hold the engine key, gateways, the batch runner and
+    # the CLI the gateway key), loopback included: another user of the host reaches
+    # 127.0.0.1 too. Empty: <state_dir>/curve, whose keys the router, gateway, batch runner
+    # and pool manager make at start if absent (contracts/curve.py); keys in any other
+    # directory are the site's (`hpcserve keys --dir`).
     curve_dir: str = ""
+    # Plain sockets instead, by explicit choice only (logged as a warning at start):
+    # allow_plain_loopback for loopback binds (a single-user machine), allow_plain_remote for
+    # any bind (a demo on a private network). Ignored when curve_dir is set.
     allow_plain_remote: bool = False
+    allow_plain_loopback: bool = False
     # Where engines' agents relay their vLLM's KV-cache events (engine_launch/kv_relay.py).
     # "": the registry_bind host on a free port; engines learn the address when they
     # register. kv_relay_endpoint: what they dial, when not registry_endpoint's host.
@@ -132,6 +143,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     def gateways_dial(self) -> str:
         return self.routing_endpoint or self.routing_bind
 
+    def plain(self) -> bool:
+        """Plain sockets: no key directory, and the config asks for plain."""
+        return not self.curve_dir and (self.allow_plain_loopback or self.allow_plain_remote)
+
 
 class ApiKey(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     tenant: Name
@@ -142,7 +157,7 @@ Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
 Priority = Literal["interactive", "batch"]
 Overflow = Literal["never", "external"]
 SchedulingPolicy = Literal["fcfs", "priority"]
-PoolRole = Literal["interactive", "batch"]
+PoolRole = Literal["interactive", "batch", "prefill", "decode"]
 BatchRunnerMode = Literal["standby", "process", "gateway"]
 
 
@@ -219,6 +234,9 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # request id; never prompt or completion text): "-" into the gateway's own log (stderr),
     # a file path (appended, mode 0600), or "" for none.
     audit_log: str = "-"
+    # Usage records, one JSON line per served request (contracts/usage.py), the tokens that
+    # `hpcserve report` counts; always written. Default: <state_dir>/usage.
+    usage_dir: str = ""
     # The Responses API's stored responses (`store`, `previous_response_id`; gateway/
     # responses_store.py): SQLite under this directory, shared by every gateway of the site;
     # default: <state_dir>/responses.
@@ -231,6 +249,17 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # <state_dir>/secrets/metrics-token). Prometheus reads a copy (`authorization:
     # credentials_file`).
     metrics_token_file: str = ""
+    # Worker processes serving `port` together (each binds it with SO_REUSEPORT and the kernel
+    # spreads connections over them): one per core the gateway may use. Each is a gateway of
+    # its own to the router (routing view, quota book), so tenant limits hold across them.
+    workers: Annotated[int, msgspec.Meta(ge=1, le=512)] = 1
+    # Prefix hints (contracts/prompt_cache.py): memory per model and worker for the prompts'
+    # leading parts already rendered, tokenized and hashed (system prompts, earlier turns),
+    # so they are never tokenized again; 0 turns the cache off.
+    prompt_cache_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 64
+    # Prefix hints only for a model the routing view lists at least this many replicas of:
+    # with one there is no choice for them to change (1: always, e.g. to check the hashes).
+    prefix_hints_min_replicas: Annotated[int, msgspec.Meta(ge=1)] = 2
 
 
 class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -273,6 +302,11 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # does not preempt batch jobs for them (slurm.batch_partition), and where it does, Slurm
     # acts first (poolmgr/batch_sizing.py).
     batch_yield_after_s: NonNegFloat = 30.0
+    # An autoscaled interactive pool whose job has been pending for GPUs (Slurm's reason
+    # Resources or Priority) this long takes a replica from an autoscaled pool of lower
+    # `priority` above its floor (it drains: no request fails), one at a time, lowest
+    # priority first; elastic batch pools yield before that (batch_yield_after_s).
+    take_gpus_after_s: NonNegFloat = 60.0
     # Where the pool manager writes the live engines as Prometheus file_sd targets (their
     # vLLM /metrics), for `file_sd_configs` (deploy/prometheus/prometheus.example.yml);
     # empty: not written.
@@ -280,6 +314,48 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
 
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+# How long the gateway holds a request for a pool at zero: at most an hour (the openai
+# client's own default timeout is 10 minutes).
+WakeBudget = Annotated[float, msgspec.Meta(ge=0, le=3600)]
+
+
+Weekday = Literal["mon", "tue", "wed", "thu", "fri", "sat", "sun"]
+WEEKDAYS: tuple[Weekday, ...] = get_args(Weekday)
+# "HH:MM", 00:00..24:00 (24:00: the end of the day).
+ClockTime = Annotated[str, msgspec.Meta(pattern=r"^(([01][0-9]|2[0-3]):[0-5][0-9]|24:00)$")]
+
+
+class ScheduleFloor(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """An admin's floor for a known peak (pools[].autoscale.schedule): from `start` to `end`
+    (the pool manager host's local time) on `days` (none: every day), the pool has at least
+    `min` replicas.
+    The pool manager raises it ahead of `start` by the pool's measured cold start
+    (poolmgr/cold_start.py), so the replicas serve at `start`."""
+
+    start: ClockTime
+    end: ClockTime
+    min: PosInt
+    days: list[Weekday] = []
+
+
+class AutoscaleCapacity(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What one replica of an autoscaled pool sustains, from the capacity planner
+    (hpcserve/planner/, poolmgr/autoscale_capacity.py) in place of `target_in_flight`: the
+    largest batch of `prompt_tokens` + `output_tokens` requests whose modelled TTFT and TPOT
+    stay within the pool's SLO (ttft_p95_s, tpot_p95_s), on the roofline of `model` (a
+    planner catalog name or a config.json path) on `gpu`, or on the measured throughput in
+    `calibrate` (an `hpcserve plan --calibrate` file). `tp`: 0 takes the pool's
+    tensor_parallel. Checked against the planner when the pool manager starts."""
+
+    model: str
+    gpu: str
+    prompt_tokens: PosInt
+    output_tokens: PosInt
+    tp: NonNegInt = 0
+    weights_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    calibrate: str = ""
+    max_num_seqs: PosInt = 256  # the engines' --max-num-seqs
 
 
 class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -297,10 +373,15 @@ class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     max: PosInt
     min: NonNegInt = 1
-    # The SLO the pool holds (p95 over requests): shown with the decisions; the TTFT/TPOT
-    # signal that scales on it is not wired yet (docs/architecture.md).
+    # The SLO the pool holds (p95 over requests, from the engines' histograms,
+    # poolmgr/slo_windows.py): burnt when the p95 is above it over both the short and the
+    # long window (each with at least slo_min_requests requests), which scales up; no
+    # scale-down while the short window's p95 is above it.
     ttft_p95_s: PosFloat = 0.8
     tpot_p95_s: PosFloat = 0.05
+    slo_short_window_s: PosFloat = 60.0
+    slo_long_window_s: PosFloat = 600.0
+    slo_min_requests: PosInt = 20
     target_in_flight: PosInt = 8
     max_waiting_per_replica: NonNegInt = 2
     max_kv_usage: Fraction = 0.9
@@ -310,6 +391,18 @@ class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scale_up_cooldown_s: NonNegFloat = 30.0  # after a scale-up, before the next one
     scale_down_cooldown_s: NonNegFloat = 120.0  # after any change, before a scale-down
     warm_spares: NonNegInt = 0  # replicas above what the load needs (N+1: 1)
+    # Scale to zero (min = 0): the pool releases its last replica (it drains) once no request
+    # has come for `idle_s`; the first request then wakes it. The gateway holds a request
+    # for a pool with no replica up to `wake_budget_s` (0: answers 503 at once), then
+    # answers 503 with Retry-After; a tenant whose overflow takes the model overflows at once.
+    idle_s: PosFloat = 900.0
+    wake_budget_s: WakeBudget = 60.0
+    # Floors by time of day and weekday for known peaks (ScheduleFloor); the highest that
+    # applies wins over `min`.
+    schedule: list[ScheduleFloor] = []
+    # One replica's capacity from the planner (AutoscaleCapacity); None: target_in_flight.
+    # Either way a replica whose engine queues shows what it runs, and the lower one holds.
+    capacity: AutoscaleCapacity | None = None
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -362,6 +455,18 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # An interactive pool sized by its load between autoscale.min and autoscale.max
     # (poolmgr/autoscale.py); `replicas` is then the size it starts at. None: fixed size.
     autoscale: AutoscaleConfig | None = None
+    # Who gets GPUs when the partition is full (poolmgr/gpu_take.py): an autoscaled pool
+    # waiting for GPUs takes a replica from an autoscaled pool of lower priority above its
+    # floor; equal priorities never take from each other. Batch pools always yield first.
+    priority: int = 0
+    # This pool's engine.launch_prefix / engine.modules (e.g. another image); None: those.
+    launch_prefix: list[LaunchWord] | None = None
+    modules: list[ModuleName] | None = None
+    # Disaggregated prefill and decode (role "prefill" / "decode", docs/disaggregation.md):
+    # the directory, on a filesystem both pools' nodes share, where the CPU build's
+    # KV-transfer connector (vLLM's ExampleConnector) stores the prompts' KV cache. Required
+    # for a vllm-cpu prefill or decode pool, the same for both; GPU pools use NIXL instead.
+    kv_transfer_dir: str = ""
 
     @property
     def model(self) -> str:
@@ -379,6 +484,35 @@ class EngineHostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The engine token every caller of an engine presents (contracts/engine_token.py); made
     # at the first start if absent. Default: <state_dir>/secrets/engine-token.
     token_file: str = ""
+    # How a job starts `hpcserve engine` on its node (docs/deploy.md): this argv goes before
+    # it, e.g. ["apptainer", "exec", "--nv", "--bind", "/srv/hpcserve", "/images/hs.sif"]
+    # or Pyxis's ["srun", "--container-image=...", "--container-mounts=..."]; empty: run it
+    # as is (a venv on the shared filesystem). A pool's own launch_prefix wins.
+    launch_prefix: list[LaunchWord] = []
+    # Environment modules the job script loads first (`module load ...`), e.g. ["cuda/12.4"].
+    modules: list[ModuleName] = []
+    # The `hpcserve` the job runs; default: the pool manager's own (a shared-filesystem
+    # venv); "hpcserve" (on PATH) inside a container image.
+    hpcserve_bin: str = ""
+
+
+Price = Annotated[float, msgspec.Meta(ge=0, le=1e9)]
+
+
+class CostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """What `hpcserve report` prices GPU-hours and tokens at (hpcserve/report/)."""
+
+    # What one GPU-hour costs the site (hardware written off, power, cooling, staff), in
+    # `currency`; 0: not set (the report then shows GPU-hours and tokens, and no cost).
+    gpu_hour_price: Price = 0.0
+    # Per Slurm partition, where its GPUs cost otherwise: {"a100" = 2.1, "h100" = 4.0}.
+    partition_gpu_hour_price: dict[Name, Price] = {}
+    currency: Annotated[str, msgspec.Meta(pattern=r"^[A-Z]{3}$")] = "USD"
+    # The API price per million input / output tokens that self-hosting is compared with
+    # (break-even, savings); 0: none. Their ratio also splits a pool's cost between input
+    # and output tokens (without them a token is a token).
+    api_price_per_m_input: Price = 0.0
+    api_price_per_m_output: Price = 0.0
 
 
 class BatchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -449,6 +583,46 @@ class HealthConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     auto_resume_after: NonNegInt = 0
     # Where `health check` keeps its count of clean checks (node-local).
     check_state_dir: str = "/var/lib/hpcserve/health"
+    # Numerical canaries (health/canary.py): a replica of a version with a golden record is
+    # compared with it before it registers and then this often (0: only before it registers).
+    canary_interval_s: NonNegFloat = 300.0
+    # The canary prompts of one check must all be answered within this.
+    canary_deadline_s: PosFloat = 60.0
+
+
+Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
+class RolloutConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Staged rollouts (`hpcserve rollout`, poolmgr/rollout.py): how the pool manager's
+    rollout loop watches a new version against the stable one of its alias.
+
+    Each check compares the two versions' answers to requests for the alias since the step
+    began, summed over `gateways` (their /metrics, gateway/quality.py). A bound is judged
+    once the new version has `min_answers` answers in the step (`min_structured` JSON ones
+    for JSON validity); the stable version's rate counts only with as many, else it is taken
+    as 0 (errors, truncations) or 100% (JSON validity): a thin baseline is strict. A step
+    advances once held `--every` and judged on at least `min_answers` answers.
+    """
+
+    # How often the loop reads the gateways' metrics and decides.
+    check_s: PosFloat = 5.0
+    # Gateways whose /metrics are read (base URLs, e.g. http://gw1:8000); empty: this
+    # config's gateway (gateway.host and gateway.port; https with gateway.tls_cert).
+    gateways: list[str] = []
+    metrics_timeout_s: PosFloat = 5.0
+    min_answers: PosInt = 50
+    min_structured: PosInt = 20
+    # Bounds of the new version against the stable one, in points of rate (0.01 = 1 point).
+    max_error_rate_increase: Share = 0.01
+    max_truncation_rate_increase: Share = 0.05
+    max_json_validity_drop: Share = 0.02
+    # TTFT p95 (streamed answers): at most stable p95 x ratio + slack.
+    ttft_p95_ratio: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    ttft_p95_slack_s: NonNegFloat = 0.1
+    # `hpcserve rollout start` without --steps / --every.
+    steps: list[int] = msgspec.field(default_factory=lambda: [1, 5, 25, 50, 100])
+    every_s: PosFloat = 600.0
 
 
 class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -463,6 +637,8 @@ class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     pools: list[PoolConfig] = []
     health: HealthConfig = HealthConfig()
     batch: BatchConfig = BatchConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    cost: CostConfig = CostConfig()
 
     def registry_path(self) -> str:
         return self.registry or str(Path(self.state_dir) / "registry.sqlite3")
@@ -480,6 +656,16 @@ class PlatformConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def responses_dir(self) -> str:
         return self.gateway.responses_dir or str(Path(self.state_dir) / "responses")
+
+    def usage_dir(self) -> str:
+        return self.gateway.usage_dir or str(Path(self.state_dir) / "usage")
+
+    def pool_launch_prefix(self, pool: PoolConfig) -> list[str]:
+        """The argv a pool's job puts before `hpcserve engine` (the pool's, else engine's)."""
+        return self.engine.launch_prefix if pool.launch_prefix is None else pool.launch_prefix
+
+    def pool_modules(self, pool: PoolConfig) -> list[str]:
+        return self.engine.modules if pool.modules is None else pool.modules
 
     def pool(self, name: str) -> PoolConfig:
         for pool in self.pools:
@@ -622,9 +808,22 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 "poolmgr.launcher = 'slurm' (the local launcher runs a replica as one local "
                 "process)"
             )
+        _check_launch_prefix(
+            f"pools[{i}].launch_prefix"
+            if pool.launch_prefix is not None
+            else "engine.launch_prefix",
+            cfg.pool_launch_prefix(pool),
+            multinode=pool.nodes_per_replica > 1,
+            launcher=cfg.poolmgr.launcher,
+        )
+    _check_launch_prefix(
+        "engine.launch_prefix", cfg.engine.launch_prefix, multinode=False, launcher="slurm"
+    )
     _check_tenants(cfg.gateway)
     _check_tls(cfg.gateway)
     _check_health(cfg.health)
+    if problem := rollout_steps_problem(cfg.rollout.steps):
+        raise ConfigError(f"rollout.steps: {problem}, got {cfg.rollout.steps}")
     if cfg.router.heartbeat_s * 2 > cfg.router.lease_s:
         raise ConfigError(
             f"router.lease_s: {cfg.router.lease_s} must be at least twice "
@@ -644,6 +843,86 @@ def _check_semantics(cfg: PlatformConfig) -> None:
                 f"pools: model {model!r} is served by two pools of role {role!r}; give each its "
                 "own (a model may have one interactive and one batch pool)"
             )
+    _check_disaggregation(cfg.pools)
+
+
+def _check_disaggregation(pools: list[PoolConfig]) -> None:
+    """Prefill and decode pools come in pairs per model, on one engine kind; the CPU
+    build's connector needs the shared directory both use (kv_transfer_dir)."""
+    for i, pool in enumerate(pools):
+        if pool.role not in ("prefill", "decode"):
+            if pool.kv_transfer_dir:
+                raise ConfigError(
+                    f"pools[{i}].kv_transfer_dir: only a prefill or decode pool transfers KV; "
+                    f"pool {pool.name!r} has role {pool.role!r}"
+                )
+            continue
+        other = "decode" if pool.role == "prefill" else "prefill"
+        peers = [p for p in pools if p.model == pool.model and p.role == other]
+        if not peers:
+            raise ConfigError(
+                f"pools[{i}].role: pool {pool.name!r} is a {pool.role} pool of model "
+                f"{pool.model!r}, which has no {other} pool; disaggregated serving needs both"
+            )
+        peer = peers[0]
+        if peer.engine != pool.engine:
+            raise ConfigError(
+                f"pools[{i}].engine: {pool.role} pool {pool.name!r} runs {pool.engine!r} but its "
+                f"{other} pool {peer.name!r} runs {peer.engine!r}; KV moves only between the same "
+                "engine kind"
+            )
+        if pool.engine == "vllm-cpu" and not pool.kv_transfer_dir:
+            raise ConfigError(
+                f"pools[{i}].kv_transfer_dir: a vllm-cpu {pool.role} pool ({pool.name!r}) needs "
+                "a directory both pools' nodes share, where its connector stores the KV cache"
+            )
+        if pool.kv_transfer_dir != peer.kv_transfer_dir:
+            raise ConfigError(
+                f"pools[{i}].kv_transfer_dir: {pool.kv_transfer_dir!r} differs from its {other} "
+                f"pool {peer.name!r}'s ({peer.kv_transfer_dir!r}); both must use one directory"
+            )
+
+
+def rollout_steps_problem(steps: list[int]) -> str:
+    """What is wrong with a rollout's canary shares ("" if nothing): percents from 1 to
+    100, rising, the last one 100 (the alias then points at the new version)."""
+    if not steps:
+        return "give at least one step"
+    if any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 100 for s in steps):
+        return "each step is a percent from 1 to 100"
+    if any(a >= b for a, b in itertools.pairwise(steps)):
+        return "steps must rise"
+    if steps[-1] != 100:
+        return "the last step must be 100"
+    return ""
+
+
+# `NAME=value` words whose name says secret: a job's script is readable through Slurm
+# (`scontrol write batch_script`) and its argv by anyone on the node.
+_SECRET_ASSIGNMENT = re.compile(
+    r"(?i)^(?:--env=)?[A-Z0-9_]*(TOKEN|SECRET|PASSW|API_?KEY)[A-Z0-9_]*="
+)
+
+
+def _check_launch_prefix(key: str, prefix: list[str], *, multinode: bool, launcher: str) -> None:
+    if not prefix:
+        return
+    if prefix[0].startswith("-"):
+        raise ConfigError(f"{key}[0]: {prefix[0]!r} is an option; the prefix starts with a command")
+    for j, word in enumerate(prefix):
+        if _SECRET_ASSIGNMENT.match(word):
+            name = word.removeprefix("--env=").split("=", 1)[0]
+            raise ConfigError(
+                f"{key}[{j}]: {name}=... looks like a secret; a job's script "
+                "and argv are readable by others (scontrol, ps): give the engine a file to read"
+            )
+    if Path(prefix[0]).name == "srun" and multinode:
+        raise ConfigError(
+            f"{key}: a prefix starting with srun cannot wrap a multi-node replica, whose job "
+            "already starts its ranks with srun; use a per-node prefix (apptainer exec ...)"
+        )
+    if Path(prefix[0]).name == "srun" and launcher == "local":
+        raise ConfigError(f"{key}: srun needs poolmgr.launcher = 'slurm'")
 
 
 def _check_elastic(i: int, pool: PoolConfig) -> None:
@@ -671,10 +950,6 @@ def _check_autoscale(i: int, pool: PoolConfig) -> None:
             f"{key}: pool {pool.name!r} has role 'batch', which grows with the Batch API "
             "backlog (max_replicas); autoscale is for interactive pools"
         )
-    if auto.min == 0:
-        raise ConfigError(
-            f"{key}.min: 0 (scale to zero) is not supported yet; the smallest min is 1"
-        )
     if auto.min > auto.max:
         raise ConfigError(f"{key}.min: {auto.min} is above autoscale.max ({auto.max})")
     if not auto.min <= pool.replicas <= auto.max:
@@ -687,6 +962,20 @@ def _check_autoscale(i: int, pool: PoolConfig) -> None:
             f"{key}.warm_spares: {auto.warm_spares} leaves no room below autoscale.max "
             f"({auto.max}) for the load itself"
         )
+    if auto.slo_short_window_s >= auto.slo_long_window_s:
+        raise ConfigError(
+            f"{key}.slo_short_window_s: {auto.slo_short_window_s:g} is not below "
+            f"slo_long_window_s ({auto.slo_long_window_s:g})"
+        )
+    for j, floor in enumerate(auto.schedule):
+        at = f"{key}.schedule[{j}]"
+        if floor.min > auto.max:
+            raise ConfigError(f"{at}.min: {floor.min} is above autoscale.max ({auto.max})")
+        if floor.end <= floor.start:
+            raise ConfigError(
+                f"{at}.end: {floor.end} is not after start ({floor.start}); a floor through "
+                "midnight is two entries (start..24:00 and 00:00..end of the next day)"
+            )
 
 
 def _check_health(health: HealthConfig) -> None:
@@ -781,7 +1070,16 @@ def load_config(path: Path) -> PlatformConfig:
     cfg = parse_config(data, source=str(path))
     if not Path(cfg.state_dir).is_absolute():
         cfg = msgspec.structs.replace(cfg, state_dir=str((path.parent / cfg.state_dir).resolve()))
-    return cfg
+    return with_default_curve_dir(cfg)
+
+
+def with_default_curve_dir(cfg: PlatformConfig) -> PlatformConfig:
+    """`cfg` with router.curve_dir = <state_dir>/curve when it names none and plain was not
+    asked for: every component then reads the same keys from router.curve_dir."""
+    if cfg.router.curve_dir or cfg.router.plain():
+        return cfg
+    router = msgspec.structs.replace(cfg.router, curve_dir=str(Path(cfg.state_dir) / "curve"))
+    return msgspec.structs.replace(cfg, router=router)
 
 
 def hash_api_key(key: str) -> str:
@@ -803,7 +1101,8 @@ def _toml_value(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        items = [(k, v) for k, v in value.items() if v is not None]  # None: the default, unset
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in items) + "}"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 

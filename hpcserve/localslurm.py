@@ -31,6 +31,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcserve import local_accounting as acct
+
 log = logging.getLogger(__name__)
 
 APT_HINT = "apt-get install slurmctld slurmd slurm-client munge"
@@ -93,15 +95,28 @@ class LocalSlurmSpec:
     # proctrack/linuxproc (parent links: a process whose parent exits is lost); "cgroup" or
     # "linuxproc" forces one.
     proctrack: str = "auto"
+    # Slurm accounting (hpcserve/local_accounting.py): a MariaDB server and a slurmdbd of
+    # this cluster's own, on ctld_port + nodes + 2 and ctld_port + nodes + 1, so that sacct
+    # answers. Off by default: it costs ~100 MB of memory and seconds at start.
+    accounting: bool = False
 
 
 def _which(name: str) -> str | None:
     return shutil.which(name, path=_SEARCH_PATH)
 
 
-def preflight() -> list[str]:
-    """Problems that make a local cluster impossible on this machine; empty when fine."""
+def preflight(accounting: bool = False) -> list[str]:
+    """Problems that make a local cluster impossible on this machine; empty when fine.
+    accounting: with slurmdbd and MariaDB (LocalSlurmSpec.accounting)."""
     problems: list[str] = []
+    if accounting:
+        missing_acct = [name for name in acct.BINARIES if _which(name) is None]
+        if missing_acct:
+            packages = sorted({acct.BINARIES[name] for name in missing_acct})
+            problems.append(
+                f"missing Slurm accounting programs: {', '.join(missing_acct)} (packages "
+                f"{', '.join(packages)}; install with: {acct.APT_HINT})"
+            )
     if os.geteuid() != 0:
         problems.append(
             "not running as root: slurmd must run as root to launch jobs, and munged is "
@@ -272,6 +287,17 @@ class LocalSlurm:
         if spec.proctrack not in ("auto", "cgroup", "linuxproc"):
             raise ValueError(f"LocalSlurmSpec.proctrack must be auto, cgroup or linuxproc: {spec}")
         self._proctrack: tuple[str, str] | None = None
+        self.accounting = (
+            acct.LocalAccounting(
+                self.state_dir,
+                self.state_dir,
+                dbd_port=spec.ctld_port + spec.nodes + 1,
+                db_port=spec.ctld_port + spec.nodes + 2,
+                host=short_hostname(),
+            )
+            if spec.accounting
+            else None
+        )
 
     def proctrack(self) -> tuple[str, str]:
         """(ProctrackType, why): chosen once, logged once."""
@@ -374,6 +400,8 @@ class LocalSlurm:
             "KillWait=10",
             "GresTypes=gpu",
         ]
+        if self.accounting is not None:
+            lines += self.accounting.slurm_conf_lines()
         gres_lines = ["# Written by hpcserve.localslurm: plain files stand in for GPUs."]
         for i, node in enumerate(self.node_names, start=1):
             gres = f" Gres=gpu:{s.gpus_per_node}" if s.gpus_per_node else ""
@@ -620,7 +648,7 @@ class LocalSlurm:
         Idempotent: daemons already running are kept (they are restarted only when the
         config changed). Raises LocalSlurmError naming the log file of a failing daemon.
         """
-        problems = preflight()
+        problems = preflight(self.spec.accounting)
         if problems:
             raise LocalSlurmError(
                 "cannot run a local Slurm cluster here:\n- " + "\n- ".join(problems)
@@ -691,6 +719,12 @@ class LocalSlurm:
                 f"ports in use: {', '.join(busy)}; another cluster (or service) listens there. "
                 f"Choose another LocalSlurmSpec.ctld_port (slurmd i uses ctld_port + i)"
             )
+        if self.accounting is not None:
+            try:
+                self.accounting.start(env, deadline)
+                self.accounting.add_cluster(env, "hpcserve")
+            except acct.LocalAccountingError as exc:
+                raise LocalSlurmError(str(exc)) from exc
         if started_ctld:
             self._run_daemon(
                 [_which("slurmctld") or "slurmctld", "-f", str(self.conf_path)],
@@ -844,6 +878,8 @@ class LocalSlurm:
             _signal(tree, signal.SIGKILL)
             left |= _wait_gone(tree, time.monotonic() + 3)
         left |= self._kill_strays(time.monotonic() + 5)
+        if self.accounting is not None:
+            left |= set(self.accounting.stop())
         self._stop_munge_if_ours(max(deadline, time.monotonic() + 2))
         for pid_file in [self._ctld_pid_file()] + [
             self._slurmd_pid_file(n) for n in self.node_names

@@ -11,6 +11,8 @@ import msgspec
 from hpcserve.config import PlatformConfig, PoolConfig
 from hpcserve.contracts.router_client import RouterQueryError, list_replicas
 from hpcserve.poolmgr.identity import parse_comment
+from hpcserve.poolmgr.rollout import Rollout
+from hpcserve.poolmgr.rollout_state import RolloutBook, RolloutStateError
 from hpcserve.poolmgr.state_files import PoolStatus, read_status
 
 
@@ -61,8 +63,40 @@ def collect_nodes(config: PlatformConfig) -> list[dict[str, Any]]:
     ]
 
 
+def collect_rollouts(config: PlatformConfig) -> list[dict[str, Any]]:
+    """The staged rollouts in progress (pending, holding, paused) from the rollout state file
+    (poolmgr/rollout_state.py); finished ones are `hpcserve rollout status`'s."""
+    return [
+        rollout_row(r)
+        for _alias, r in sorted(RolloutBook(Path(config.state_dir)).read().items())
+        if r.active
+    ]
+
+
+def rollout_row(r: Rollout) -> dict[str, Any]:
+    """One rollout's line: where it stands and the last check's verdict."""
+    return {
+        "alias": r.alias,
+        "version": r.ref,
+        "stable": r.stable,
+        "state": r.state,
+        "step": f"{r.step + 1}/{len(r.steps)}" if r.step >= 0 else f"-/{len(r.steps)}",
+        "share": f"{r.share}%",
+        "steps": ",".join(map(str, r.steps)),
+        "every_s": r.every_s,
+        "step_since": r.step_since,
+        "forced": r.forced,
+        "note": r.note or r.reason,
+    }
+
+
 def collect_status(config: PlatformConfig) -> dict[str, Any]:
     status: dict[str, Any] = {"pools": [], "jobs": [], "replicas": [], "nodes": [], "errors": []}
+    status["rollouts"] = []
+    try:
+        status["rollouts"] = collect_rollouts(config)
+    except (RolloutStateError, OSError) as err:
+        status["errors"].append(f"rollouts: {err}")
     try:
         status["jobs"] = collect_jobs(config)
         status["nodes"] = collect_nodes(config)
@@ -127,6 +161,7 @@ def pool_row(
                 "next_submit_in_s",
                 "pending",
                 "backlog",
+                "cold_start",
             )
         }
     if reported is not None and reported.autoscale is not None:
@@ -145,7 +180,7 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> list[str]:
     cells = [
         [str(row.get(c, "")) if row.get(c) is not None else "-" for c in columns] for row in rows
     ]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return lines
@@ -167,6 +202,10 @@ def format_status(status: dict[str, Any]) -> str:
                 f"    last change: {auto['last_reason'] or '-'}",
                 f"    now: {auto['now']}",
             ]
+            if auto.get("capacity"):
+                lines.append(f"    capacity: {auto['capacity']}")
+        if row.get("cold_start"):
+            lines.append(f"  {row['pool']}: cold start {row['cold_start']}")
     if status["jobs"]:
         lines += [
             "",
@@ -192,5 +231,12 @@ def format_status(status: dict[str, Any]) -> str:
         ]
     if status["nodes"]:
         lines += ["", *_table(status["nodes"], ["node", "state", "gpus", "gpus_used", "reason"])]
+    if status.get("rollouts"):
+        lines += [
+            "",
+            *_table(
+                status["rollouts"], ["alias", "version", "stable", "state", "step", "share", "note"]
+            ),
+        ]
     lines += [f"error: {e}" for e in status["errors"]]
     return "\n".join(lines)

@@ -48,6 +48,9 @@ Kind = Literal["chat", "embed", "rerank", "lora"]
 Size = Literal["tiny", "small"]
 KINDS: tuple[str, ...] = ("chat", "embed", "rerank", "lora")
 SIZES: tuple[str, ...] = ("tiny", "small")
+# Weight dtypes of a chat model's file (numpy has no bfloat16): float16 holds the same
+# weights rounded, a variant for dtype parity checks (hpcserve/onboarding/).
+DTYPES: dict[str, type[np.floating[Any]]] = {"float32": np.float32, "float16": np.float16}
 
 INIT_STD = 0.02
 # Seeds the generated part of the tokenizer corpus; independent of the weight seed.
@@ -416,7 +419,29 @@ def _n_params(tensors: dict[str, np.ndarray]) -> int:
     return int(sum(t.size for t in tensors.values()))
 
 
-def _write_chat(d: Path, size: str, seed: int, say: Callable[[str], None]) -> dict[str, Any]:
+def _variant(
+    tensors: dict[str, np.ndarray], dtype: str, perturb: float, seed: int
+) -> dict[str, np.ndarray]:
+    """The same weights stored as `dtype`; with `perturb` > 0, every matrix plus seeded
+    Gaussian noise of `perturb` times its own standard deviation (a corrupted variant)."""
+    if perturb > 0:
+        rng = np.random.default_rng(seed + 1_000_003)  # apart from the weights' generator
+        for name in sorted(tensors):
+            arr = tensors[name]
+            if arr.ndim == 2:
+                noise = rng.standard_normal(arr.shape, dtype=np.float32)
+                tensors[name] = arr + noise * np.float32(perturb * float(arr.std()))
+    return {name: arr.astype(DTYPES[dtype]) for name, arr in tensors.items()}
+
+
+def _write_chat(
+    d: Path,
+    size: str,
+    seed: int,
+    say: Callable[[str], None],
+    dtype: str = "float32",
+    perturb: float = 0.0,
+) -> dict[str, Any]:
     s = _LLAMA_SHAPES[size]
     say(f"training byte-level BPE tokenizer (target vocab {s.vocab})")
     tok = _train_chat_tokenizer(s.vocab, size)
@@ -470,7 +495,7 @@ def _write_chat(d: Path, size: str, seed: int, say: Callable[[str], None]) -> di
             "bos_token_id": ids[BOS],
             "eos_token_id": ids[EOT],
             "pad_token_id": ids[EOS_TEXT],
-            "torch_dtype": "float32",
+            "torch_dtype": dtype,
         },
     )
     _write_json(
@@ -482,8 +507,10 @@ def _write_chat(d: Path, size: str, seed: int, say: Callable[[str], None]) -> di
         },
     )
     say(f"initialising Llama weights (seed {seed})")
-    tensors = _llama_weights(s, vocab, seed)
-    say(f"writing model.safetensors ({_n_params(tensors):,} parameters, float32)")
+    tensors = _variant(_llama_weights(s, vocab, seed), dtype, perturb, seed)
+    if perturb > 0:
+        say(f"perturbed: noise of {perturb:g} x each matrix's standard deviation")
+    say(f"writing model.safetensors ({_n_params(tensors):,} parameters, {dtype})")
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     return {
         "architecture": "LlamaForCausalLM",
@@ -492,6 +519,7 @@ def _write_chat(d: Path, size: str, seed: int, say: Callable[[str], None]) -> di
         f"intermediate {s.intermediate}",
         "tokenizer": f"byte-level BPE, vocab {vocab}, Llama-3 special tokens and chat template",
         "params": _n_params(tensors),
+        "dtype": dtype + (f", perturbed by {perturb:g}" if perturb > 0 else ""),
     }
 
 
@@ -666,7 +694,7 @@ norms at one, biases at zero) and its output is meaningless. It exists so that
 tests and demos can load and serve a real model without a download or a GPU.
 
 - Architecture: `{info["architecture"]}`, {info["shape"]}
-- Parameters: {info["params"]:,} (float32, `{weights}`)
+- Parameters: {info["params"]:,} ({info.get("dtype", "float32")}, `{weights}`)
 - Tokenizer: {info["tokenizer"]}, trained with the `tokenizers` library on a small
   built-in English corpus plus deterministic generated text
 
@@ -686,8 +714,14 @@ def make_tiny_model(
     seed: int = 0,
     size: Size = "tiny",
     progress: Callable[[str], None] | None = None,
+    dtype: str = "float32",
+    perturb: float = 0.0,
 ) -> Path:
     """Write a random-weight Hugging Face model directory of the given kind to ``out_dir``.
+
+    A chat model may be written with its weights stored as float16 (``dtype``: the same
+    weights, rounded) or ``perturb``ed (each matrix plus noise of that many standard
+    deviations): the variants model onboarding's parity gate tells apart.
 
     The files are written to a temporary sibling directory that is then renamed
     to ``out_dir``, so ``out_dir`` is either absent or complete. An existing
@@ -700,6 +734,12 @@ def make_tiny_model(
         raise ValueError(f"unknown size {size!r}; expected one of {', '.join(SIZES)}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+    if isinstance(perturb, bool) or not isinstance(perturb, int | float) or perturb < 0:
+        raise ValueError(f"perturb must be a number >= 0, got {perturb!r}")
+    if kind != "chat" and (dtype != "float32" or perturb):
+        raise ValueError(f"dtype and perturb apply to chat models only, not {kind!r}")
     out_dir = Path(out_dir)
     _check_target(out_dir)
 
@@ -712,7 +752,7 @@ def make_tiny_model(
     try:
         say(f"building {size} {kind} model in {tmp}")
         if kind == "chat":
-            info = _write_chat(tmp, size, seed, say)
+            info = _write_chat(tmp, size, seed, say, dtype, float(perturb))
         elif kind == "lora":
             info = _write_lora(tmp, size, seed, say)
         else:

@@ -1,4 +1,4 @@
-"""`hpcserve models add|list|show|alias|promote|rm` and `hpcserve cache ...` subcommands.
+"""`hpcserve models add|list|show|alias|promote|gate|rm` and `hpcserve cache ...` subcommands.
 
 hpcserve/cli.py wires them in: `add_models_registry_parsers(models_subparsers)` and
 `add_cache_parser(subparsers)`. Every subcommand's `func` takes the Namespace and returns
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 import re
 import shlex
@@ -24,6 +25,7 @@ import msgspec
 
 from hpcserve.modelcache.cache import CacheEntry, EntryRecord, NodeCache
 from hpcserve.modelcache.errors import CacheError
+from hpcserve.modelcache.evaluations import Evaluation
 from hpcserve.modelcache.locks import LockTimeout, SharedFilesystemError
 from hpcserve.modelcache.manifest import (
     ALGORITHMS,
@@ -38,6 +40,7 @@ from hpcserve.modelcache.refs import RefError, parse_ref
 from hpcserve.modelcache.registry import QUANTIZATIONS, Alias, Registry, RegistryError
 from hpcserve.modelcache.stage import stage
 
+log = logging.getLogger(__name__)
 DEFAULT_REGISTRY = ".state/registry.sqlite3"
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?", re.IGNORECASE)
 _EXPECTED = (RegistryError, CacheError, RefError, ManifestError, LockTimeout, SharedFilesystemError)
@@ -83,9 +86,12 @@ def add_models_registry_parsers(models_subparsers: Any) -> None:
     p.add_argument("--files", action="store_true", help="with a version: its manifest files")
     p.set_defaults(func=_guard("models show", cmd_models_show))
 
-    p = _with_registry(sub.add_parser("alias", help="point an alias at NAME@VERSION"))
+    p = _with_registry(
+        sub.add_parser("alias", help="point an alias at NAME@VERSION (one that passed its gate)")
+    )
     p.add_argument("alias")
     p.add_argument("ref", help="NAME@VERSION (or NAME for its latest version)")
+    _with_force(p)
     p.set_defaults(func=_guard("models alias", cmd_models_alias))
 
     p = _with_registry(sub.add_parser("promote", help="route a share of an alias to a version"))
@@ -99,11 +105,28 @@ def add_models_registry_parsers(models_subparsers: Any) -> None:
         help="percent of the alias's requests: 100 (default) makes REF the target, "
         "1-99 makes it the canary, 0 drops it as the canary",
     )
+    _with_force(p)
     p.set_defaults(func=_guard("models promote", cmd_models_promote))
+
+    p = _with_registry(
+        sub.add_parser("gate", help="show or set a model's parity gate (points of allowed drop)")
+    )
+    p.add_argument("model")
+    p.add_argument(
+        "--max-drop",
+        type=float,
+        metavar="POINTS",
+        help="a key metric may be at most this many points below the baseline's (default 1)",
+    )
+    p.set_defaults(func=_guard("models gate", cmd_models_gate))
 
     p = _with_registry(sub.add_parser("rm", help="remove a version, model, alias or adapter"))
     p.add_argument("name", help="NAME@VERSION, or NAME (a whole model, an alias, an adapter)")
     p.set_defaults(func=_guard("models rm", cmd_models_rm))
+
+    from hpcserve.modelcache.canary import add_canary_parser
+
+    add_canary_parser(sub)  # models canary record|check|show|clear|prompts
 
 
 def add_cache_parser(subparsers: Any) -> None:
@@ -178,14 +201,24 @@ def cmd_models_list(args: argparse.Namespace) -> int:
     with Registry(args.registry) as reg:
         versions, aliases, adapters = reg.versions(), reg.aliases(), reg.adapters()
         in_use = {v.ref: reg.users(v.ref) for v in versions}
+        gates = {v.ref: _gate_cell(reg.latest_evaluation(v.ref)) for v in versions}
     if args.json:
-        _print_json({"versions": versions, "aliases": aliases, "adapters": adapters})
+        _print_json(
+            {"versions": versions, "aliases": aliases, "adapters": adapters, "gates": gates}
+        )
         return 0
     rows = [
-        [v.ref, v.quantization, human_bytes(v.total_bytes), str(len(in_use[v.ref])), v.source]
+        [
+            v.ref,
+            v.quantization,
+            human_bytes(v.total_bytes),
+            str(len(in_use[v.ref])),
+            gates[v.ref],
+            v.source,
+        ]
         for v in versions
     ]
-    print(_table(["VERSION", "QUANT", "SIZE", "REPLICAS", "SOURCE"], rows))
+    print(_table(["VERSION", "QUANT", "SIZE", "REPLICAS", "GATE", "SOURCE"], rows))
     if aliases:
         print()
         print(_table(["ALIAS", "TARGET", "CANARY"], [_alias_row(a) for a in aliases]))
@@ -194,6 +227,16 @@ def cmd_models_list(args: argparse.Namespace) -> int:
         rows = [[a.name, a.base_ref, str(a.rank), a.path] for a in adapters]
         print(_table(["ADAPTER", "BASE", "RANK", "PATH"], rows))
     return 0
+
+
+def _gate_cell(last: Evaluation | None) -> str:
+    """A version's parity gate in `models list`: its newest evaluation decides (as for
+    promotion, Registry.gate_status); "-": never evaluated."""
+    if last is None:
+        return "-"
+    against = f" vs {last.baseline}" if last.baseline else ""
+    verdict = "pass" if last.passed else "FAIL"
+    return f"{verdict} ({last.suite}{against})"
 
 
 def cmd_models_show(args: argparse.Namespace) -> int:
@@ -210,23 +253,106 @@ def cmd_models_show(args: argparse.Namespace) -> int:
             out = {"adapter": reg.adapter(args.name)}
         else:
             out = {"model": reg.model(args.name)}
+        out.update(_onboarding_view(reg, args.name, kind))
     _print_json(out)
     return 0
 
 
+def _onboarding_view(reg: Registry, name: str, kind: str | None) -> dict[str, Any]:
+    """What `models show` adds from onboarding: a version's gate and evaluations (the newest
+    in full), an alias's audit lines, a model's gate rule."""
+    if "@" in name:
+        passed, why = reg.gate_status(name)
+        evaluations = reg.evaluations(name)
+        earlier = [
+            {"id": e.id, "at": e.at, "suite": e.suite, "baseline": e.baseline,
+             "verdict": e.verdict}
+            for e in evaluations[:-1]
+        ]  # fmt: skip
+        record = reg.canary_record(name)
+        canary = None
+        if record is not None:  # numerical canaries (modelcache/canary.py)
+            canary = {
+                "recorded_at": record.recorded_at,
+                "recorded_from": record.recorded_from,
+                "prompts": len(record.answers),
+                "tokens": sum(len(a.tokens) for a in record.answers),
+                "logprob_tol": record.settings.logprob_tol,
+                "checked": "every replica of this version, before it registers and "
+                "every health.canary_interval_s",
+            }
+        return {
+            "gate": {"passed": passed, "why": why},
+            "evaluation": evaluations[-1] if evaluations else None,
+            "earlier_evaluations": earlier,
+            "canary": canary,
+        }
+    if kind == "alias":
+        return {"audit": [e.line() for e in reg.audit_log(name)]}
+    if kind == "model":
+        return {"gate_rule": reg.gate_rule(name)}
+    return {}
+
+
 def cmd_models_alias(args: argparse.Namespace) -> int:
+    reason = _force_reason(args)
     with Registry(args.registry) as reg:
-        a = reg.set_alias(args.alias, args.ref)
+        a = reg.set_alias_gated(args.alias, args.ref, force_reason=reason, actor=_actor())
+        _report_forced(reg, a.name, reason)
     print(f"{a.name} -> {a.target}")
     return 0
 
 
 def cmd_models_promote(args: argparse.Namespace) -> int:
+    reason = _force_reason(args)
     with Registry(args.registry) as reg:
-        a = reg.promote(args.alias, args.ref, args.share)
+        a = reg.promote_gated(
+            args.alias, args.ref, args.share, force_reason=reason, actor=_actor()
+        )
+        _report_forced(reg, a.name, reason)
     _name, target, canary = _alias_row(a)
     print(f"{a.name} -> {target}" + (f", canary {canary}" if canary else ""))
     return 0
+
+
+def cmd_models_gate(args: argparse.Namespace) -> int:
+    with Registry(args.registry) as reg:
+        if args.max_drop is not None:
+            reg.set_gate_rule(args.model, args.max_drop, actor=_actor())
+        else:
+            reg.model(args.model)  # an unknown model is named
+        rule = reg.gate_rule(args.model)
+    default = "" if rule.updated else " (the default)"
+    print(
+        f"{rule.model}: a version passes when no key metric of its suite is more than "
+        f"{rule.max_drop:g} points below its baseline's{default}"
+    )
+    return 0
+
+
+def _force_reason(args: argparse.Namespace) -> str:
+    if args.force and not (args.reason or "").strip():
+        raise RegistryError("--force needs --reason TEXT (it goes into the audit log)")
+    if args.reason and not args.force:
+        raise RegistryError("--reason goes with --force")
+    return args.reason.strip() if args.force else ""
+
+
+def _report_forced(reg: Registry, alias: str, reason: str) -> None:
+    """One audit line on stderr (and the log) when the gate was overridden."""
+    last = reg.audit_log(alias)[-1]
+    if reason and last.forced:
+        log.warning("audit: %s", last.line())
+        print(f"audit: {last.line()}", file=sys.stderr)
+
+
+def _actor() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
 
 
 def cmd_models_rm(args: argparse.Namespace) -> int:
@@ -423,6 +549,15 @@ def _with_registry(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"registry database (default: $HPCSERVE_REGISTRY or {DEFAULT_REGISTRY})",
     )
     return p
+
+
+def _with_force(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="move traffic to a version that has not passed its gate (needs --reason)",
+    )
+    p.add_argument("--reason", metavar="TEXT", help="why the gate is overridden (audit log)")
 
 
 def _with_cache_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -22,7 +22,22 @@ from typing import Any, cast
 
 import msgspec
 
+from hpcserve.contracts.canary import (
+    CanaryError,
+    CanarySettings,
+    GoldenRecord,
+    check_settings,
+    decode_record,
+    encode_record,
+)
 from hpcserve.contracts.private_files import private_file
+from hpcserve.modelcache.evaluations import (
+    DEFAULT_MAX_DROP,
+    AuditEntry,
+    Evaluation,
+    GateRule,
+)
+from hpcserve.modelcache.evaluations import TABLES as _ONBOARDING_TABLES
 from hpcserve.modelcache.manifest import Manifest, decode_manifest
 from hpcserve.modelcache.refs import Ref, check_name, parse_ref
 
@@ -78,6 +93,22 @@ CREATE TABLE replica_usage (
     FOREIGN KEY (model, version) REFERENCES versions(model, version)
 );
 """
+# Numerical canaries (contracts/canary.py): a version's golden record, a model's own
+# canary prompts. Removing the version (the model) removes them.
+_CANARY_TABLES = """
+CREATE TABLE IF NOT EXISTS canary_records (
+    model TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    record TEXT NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (model, version),
+    FOREIGN KEY (model, version) REFERENCES versions(model, version) ON DELETE CASCADE
+);
+CREATE TABLE IF NOT EXISTS canary_prompts (
+    model TEXT PRIMARY KEY REFERENCES models(name) ON DELETE CASCADE,
+    prompts TEXT NOT NULL
+);
+"""
 # From schema 1: adapters gain the base version they are bound to; an existing adapter is
 # bound to its base model's latest version.
 _MIGRATE_1_TO_2 = """
@@ -97,6 +128,11 @@ class NotFoundError(RegistryError):
 
 class InUseError(RegistryError):
     pass
+
+
+class GateRefused(RegistryError):
+    """Traffic moved to a version that has not passed its parity gate, without a forced
+    override (`--force --reason`)."""
 
 
 class ModelVersion(msgspec.Struct, frozen=True):
@@ -311,7 +347,68 @@ class Registry:
                 )
         return cur.rowcount
 
+    def set_canary_record(self, ref: str, record: GoldenRecord) -> GoldenRecord:
+        """Store `record` as the golden record of version `ref` (any earlier one replaced):
+        every replica of the version is held to it (contracts/canary.py)."""
+        with self._write():
+            v = self._require_version(ref)
+            if record.model_ref != str(v):
+                raise RegistryError(f"the golden record was made for {record.model_ref}, not {v}")
+            try:
+                data = encode_record(record)
+                decode_record(data)  # its settings and answers are usable
+            except CanaryError as err:
+                raise RegistryError(str(err)) from None
+            self._db.execute(
+                "INSERT OR REPLACE INTO canary_records VALUES (?, ?, ?, ?)",
+                (v.name, v.version, data.decode(), self.clock()),
+            )
+        return record
+
+    def clear_canary_record(self, ref: str) -> bool:
+        """Drop version `ref`'s golden record; False when it had none."""
+        with self._write():
+            v = self._require_version(ref)
+            cur = self._db.execute(
+                "DELETE FROM canary_records WHERE model = ? AND version = ?", (v.name, v.version)
+            )
+        return cur.rowcount > 0
+
+    def set_canary_prompts(self, model: str, prompts: Sequence[str] | None) -> None:
+        """The canary prompts recorded for `model`'s versions from now on; None: the shipped
+        default (contracts/canary.py DEFAULT_PROMPTS)."""
+        with self._write():
+            self._require_model(model)
+            if prompts is None:
+                self._db.execute("DELETE FROM canary_prompts WHERE model = ?", (model,))
+                return
+            try:
+                check_settings(CanarySettings(prompts=tuple(prompts)))
+            except CanaryError as err:
+                raise RegistryError(f"canary {err}") from None
+            self._db.execute(
+                "INSERT OR REPLACE INTO canary_prompts VALUES (?, ?)",
+                (model, json.dumps(list(prompts))),
+            )
+
     # -- reads
+
+    def canary_record(self, ref: str) -> GoldenRecord | None:
+        """Version `ref`'s golden record (an alias: its target's); None when it has none."""
+        v = self._require_version(ref)
+        row = self._db.execute(
+            "SELECT record FROM canary_records WHERE model = ? AND version = ?",
+            (v.name, v.version),
+        ).fetchone()
+        return decode_record(row[0]) if row is not None else None
+
+    def canary_prompts(self, model: str) -> tuple[str, ...] | None:
+        """`model`'s own canary prompts; None: it uses the shipped default."""
+        self._require_model(model)
+        row = self._db.execute(
+            "SELECT prompts FROM canary_prompts WHERE model = ?", (model,)
+        ).fetchone()
+        return tuple(json.loads(row[0])) if row is not None else None
 
     def version(self, text: str) -> ModelVersion:
         """`name@3`, `name` (its latest version) or an alias (its target)."""
@@ -395,6 +492,128 @@ class Registry:
                 return kind
         return None
 
+    # -- onboarding: evaluations, the parity gate, gated traffic moves (evaluations.py)
+
+    def record_evaluation(self, evaluation: Evaluation) -> Evaluation:
+        """Keep `evaluation` of its version; the newest one decides the version's gate."""
+        with self._write():
+            v = self._require_version(evaluation.ref)
+            if str(v) != evaluation.ref:
+                raise RegistryError(f"an evaluation names one version, not {evaluation.ref!r}")
+            now = evaluation.at or self.clock()
+            cur = self._db.execute(
+                "INSERT INTO evaluations (model, version, passed, record, created) "
+                "VALUES (?, ?, ?, '', ?)",
+                (v.name, v.version, int(evaluation.passed), now),
+            )
+            row_id = int(cur.lastrowid or 0)
+            stored = msgspec.structs.replace(evaluation, id=row_id, at=now)
+            self._db.execute(
+                "UPDATE evaluations SET record = ? WHERE id = ?",
+                (msgspec.json.encode(stored).decode(), row_id),
+            )
+        return stored
+
+    def evaluations(self, ref: str) -> list[Evaluation]:
+        """Every evaluation of version `ref`, oldest first."""
+        v = self._require_version(ref)
+        rows = self._db.execute(
+            "SELECT record FROM evaluations WHERE model = ? AND version = ? ORDER BY id",
+            (v.name, v.version),
+        ).fetchall()
+        return [msgspec.json.decode(r[0], type=Evaluation) for r in rows]
+
+    def latest_evaluation(self, ref: str) -> Evaluation | None:
+        found = self.evaluations(ref)
+        return found[-1] if found else None
+
+    def set_gate_rule(self, model: str, max_drop: float, *, actor: str = "") -> GateRule:
+        """The parity gate of `model`'s versions: no key metric more than `max_drop` points
+        below the baseline's. Applies to evaluations from now on."""
+        if isinstance(max_drop, bool) or not isinstance(max_drop, int | float) or max_drop < 0:
+            raise RegistryError(f"max drop must be a number of points >= 0, got {max_drop!r}")
+        with self._write():
+            self._require_model(model)
+            now = self.clock()
+            self._db.execute(
+                "INSERT OR REPLACE INTO gate_rules VALUES (?, ?, ?)", (model, float(max_drop), now)
+            )
+            self._audit("gate", model, "", detail=f"max drop {max_drop:g} points", actor=actor)
+        return self.gate_rule(model)
+
+    def gate_rule(self, model: str) -> GateRule:
+        row = self._db.execute(
+            "SELECT max_drop, updated FROM gate_rules WHERE model = ?", (model,)
+        ).fetchone()
+        return GateRule(model, row[0], row[1]) if row else GateRule(model, DEFAULT_MAX_DROP)
+
+    def gate_status(self, ref: str) -> tuple[bool, str]:
+        """(passed, why): whether version `ref`'s newest evaluation passed its gate."""
+        v = self._require_version(ref)
+        last = self.latest_evaluation(str(v))
+        if last is None:
+            return False, f"{v} has no evaluation (`hpcserve models eval {v} --suite FILE`)"
+        against = f" vs {last.baseline}" if last.baseline else " (no baseline)"
+        if not last.passed:
+            why = "; ".join(last.reasons) or "a key metric failed"
+            return False, f"{v} failed its gate in evaluation {last.id}{against}: {why}"
+        return True, f"gate passed: evaluation {last.id} ({last.suite}{against})"
+
+    def set_alias_gated(
+        self, name: str, ref: str, *, force_reason: str = "", actor: str = ""
+    ) -> Alias:
+        """set_alias, only to a version that passed its gate (or the alias's target now);
+        `force_reason` overrides the gate. Either way one audit line is kept."""
+        with self._write():
+            v = self._require_version(ref)
+            current = self.alias(name).target if self._exists("aliases", name) else None
+            detail, forced = self._gate_or_force(str(v), force_reason, exempt=current == str(v))
+            alias = self.set_alias(name, ref)
+            self._audit("alias", name, str(v), detail, forced, actor)
+        return alias
+
+    def promote_gated(
+        self, alias: str, ref: str, share: int = 100, *, force_reason: str = "", actor: str = ""
+    ) -> Alias:
+        """promote, only to a version that passed its gate (share 0, taking traffic away,
+        needs none); `force_reason` overrides the gate. One audit line either way."""
+        with self._write():
+            v = self._require_version(ref)
+            detail, forced = self._gate_or_force(str(v), force_reason, exempt=share == 0)
+            result = self.promote(alias, ref, share)
+            self._audit("promote", alias, str(v), f"share {share}%; {detail}", forced, actor)
+        return result
+
+    def audit_log(self, subject: str | None = None) -> list[AuditEntry]:
+        """Traffic moves and gate changes, oldest first (of one alias or model if given)."""
+        sql, args = "SELECT * FROM audit", cast(tuple[str, ...], ())
+        if subject is not None:
+            sql, args = sql + " WHERE subject = ?", (subject,)
+        rows = self._db.execute(sql + " ORDER BY id", args).fetchall()
+        return [AuditEntry(r[0], r[1], r[2], r[3], r[4], bool(r[5]), *r[6:]) for r in rows]
+
+    def _gate_or_force(self, ref: str, force_reason: str, *, exempt: bool) -> tuple[str, str]:
+        """(what the audit line says, the reason when the gate was overridden, else "")."""
+        if exempt:
+            return "no gate needed (no traffic moves to it)", ""
+        passed, why = self.gate_status(ref)
+        if passed:
+            return why, ""
+        if not force_reason.strip():
+            raise GateRefused(f"{why}; to move traffic anyway give --force --reason TEXT")
+        return f"gate overridden: {why}", force_reason.strip()
+
+    def _audit(
+        self, action: str, subject: str, ref: str, detail: str, reason: str = "", actor: str = ""
+    ) -> None:
+        """One audit row; `reason` non-empty marks a forced move."""
+        self._db.execute(
+            "INSERT INTO audit (at, action, subject, ref, forced, reason, actor, detail) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (self.clock(), action, subject, ref, int(bool(reason.strip())), reason.strip(),
+             actor, detail),
+        )  # fmt: skip
+
     # -- helpers
 
     def _init_schema(self) -> None:
@@ -407,8 +626,13 @@ class Registry:
                 )
             if found == 0:
                 _run_script(self._db, SCHEMA)
-            elif found == 1:
+            if found == 1:
                 _run_script(self._db, _MIGRATE_1_TO_2)
+            # Onboarding (evaluations.py) and the numerical canaries: created where absent,
+            # on every open, so they need no schema number and an older hpcserve still opens
+            # the file.
+            _run_script(self._db, _ONBOARDING_TABLES)
+            _run_script(self._db, _CANARY_TABLES)
             if found != SCHEMA_VERSION:
                 self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 

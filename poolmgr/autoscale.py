@@ -6,14 +6,18 @@ num_requests_running / num_requests_waiting and KV-cache usage, contracts/protoc
 ReplicaLoad) and as the router counts them (requests in flight). A replica's load is the
 larger of its engine's running + waiting and the router's in-flight count.
 
-Capacity: a replica carries `target_in_flight` requests (autoscale config), or fewer where
-the engines show they run fewer: a replica that queues requests (waiting > 0) runs all it
-can, so its running count is what one replica holds (its max_num_seqs or KV room). The load
-needs ceil(load / capacity) replicas, plus `warm_spares`.
+Capacity: a replica carries what the capacity planner gives for the pool's workload at its
+SLO (autoscale.capacity, poolmgr/autoscale_capacity.py; else the config's
+`target_in_flight`), or fewer where the engines show they run fewer: a replica that queues
+requests (waiting > 0) runs all it can, so its running count is what one replica holds (its
+max_num_seqs or KV room). The load needs ceil(load / capacity) replicas, plus
+`warm_spares`; a forecast rate needs ceil(rate / the modelled requests/s per replica) (by
+Little's law from the measured in-flight time when not modelled).
 
 Rules, every one clamped to autoscale.min..max:
 - up, fast: when the engines queue more than `max_waiting_per_replica` per replica, the KV
-  cache is fuller than `max_kv_usage` on average, or the load needs more replicas than the
+  cache is fuller than `max_kv_usage` on average, the TTFT or TPOT p95 is above the SLO
+  over both the short and the long window (SLO burn), or the load needs more replicas than the
   target, continuously for `scale_up_window_s` and `scale_up_cooldown_s` after the last
   scale-up: straight to what the load needs (at least one more; none while replicas are
   still starting and they would cover the need);
@@ -25,8 +29,19 @@ Rules, every one clamped to autoscale.min..max:
   that keeps it from flapping;
 - no serving replica, or no answer from the router this poll: hold (nothing to measure; a
   pool whose replicas are all starting must not shrink, nor one whose load is unknown);
+- scale to zero (`min` = 0): the step-by-step rule above stops at one replica; the pool goes
+  to zero (its replicas drain; a job still pending is cancelled) once nothing is in flight
+  and no request has come for `idle_s` (requests routed to its replicas, and Routes that
+  found none), `scale_down_cooldown_s` after the last change. At zero, a request that found
+  no replica (the router's unserved demand) after the pool went to zero, and within
+  `idle_s`, wakes it at once: 0 -> 1 + warm_spares, no window (the cold start is the wait);
+- an admin's scheduled floor (autoscale.schedule, poolmgr/autoscale_schedule.py, raised
+  ahead of its start by the pool's measured cold start) lifts min while it applies: a target
+  below it goes up to it at once; scale-downs and scale to zero stop at it;
 - an admin's override (`hpcserve scale POOL N`) wins, unclamped, until `hpcserve scale
-  --reset`; the autoscaler then resumes from that size, clamped to min..max.
+  --reset`; the autoscaler then resumes from that size, clamped to min..max;
+- while a pool of higher priority waits for GPUs (poolmgr/gpu_take.py), no scale-up: the
+  pool would compete for the GPUs it may have just given.
 """
 
 from __future__ import annotations
@@ -38,7 +53,8 @@ from typing import Literal
 
 from hpcserve.config import AutoscaleConfig
 
-Direction = Literal["up", "down", "hold", "override"]
+# "taken": a replica given to a pool of higher priority waiting for GPUs (gpu_take.py).
+Direction = Literal["up", "down", "hold", "override", "taken"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +75,35 @@ class Signals:
     starting: int = 0  # its live jobs that do not serve yet (pending in Slurm, loading)
     override: int | None = None  # `hpcserve scale`'s replicas for the pool, if set
     measured: bool = True  # False: the router did not answer this poll (no fresh load)
+    # Seconds since a request last came for the pool (routed to a replica, or a Route that
+    # found none); None: not known yet. Scale to zero only.
+    idle_s: float | None = None
+    # Seconds since the router last answered a Route for the pool's model without a replica
+    # (ReplicaList.unserved); None: none within the router's memory.
+    unserved_age_s: float | None = None
+    # The admin's scheduled floor now (0: none), and why (autoscale_schedule.py).
+    floor: int = 0
+    floor_reason: str = ""
+    # The pool's TTFT and TPOT p95 over autoscale.slo_short_window_s and slo_long_window_s
+    # (poolmgr/slo_windows.py); None: too few requests in the window, or not reported.
+    ttft_p95_short: float | None = None
+    ttft_p95_long: float | None = None
+    tpot_p95_short: float | None = None
+    tpot_p95_long: float | None = None
+    # Arrivals (requests/s) now and forecast `forecast_horizon_s` ahead, the pool's cold
+    # start (poolmgr/forecast.py); None: not known yet.
+    rate_rps: float | None = None
+    forecast_rps: float | None = None
+    forecast_horizon_s: float = 0.0
+    # What one replica sustains (poolmgr/autoscale_capacity.py: the planner's roofline or
+    # calibration at the pool's SLO, else the config's target_in_flight): requests in flight,
+    # requests/s at that load (None: not modelled) and where the numbers come from.
+    capacity: int | None = None
+    capacity_rps: float | None = None
+    capacity_source: str = ""
+    # A pool of higher priority waits for GPUs (poolmgr/gpu_take.py): this one does not grow
+    # (it would compete for the same GPUs); "": none waits.
+    yield_to: str = ""
 
     @property
     def load(self) -> int:
@@ -74,16 +119,68 @@ class Signals:
         return sum(r.kv_usage for r in self.replicas) / n if n else 0.0
 
     def per_replica(self, target_in_flight: int) -> int:
-        """What one replica carries: the config's target, or what a queueing one runs."""
+        """What one replica carries: the modelled capacity (else the config's target), or
+        what a queueing one runs, whichever is lower."""
         saturated = [r.running for r in self.replicas if r.waiting > 0 and r.running > 0]
-        return max(1, min([target_in_flight, *saturated]))
+        return max(1, min([self.capacity or target_in_flight, *saturated]))
+
+    def capacity_text(self, target_in_flight: int) -> str:
+        """One replica's capacity and its source, for `hpcserve status`."""
+        modelled = self.capacity or target_in_flight
+        rate = f", {self.capacity_rps:.3g} req/s" if self.capacity_rps else ""
+        source = self.capacity_source or "config target_in_flight, not modelled"
+        text = f"one replica sustains {modelled} in flight{rate} ({source})"
+        now = self.per_replica(target_in_flight)
+        if now < modelled:
+            text += f"; its engines queue at {now} running, so {now} holds now"
+        return text
 
     def summary(self) -> str:
         n = len(self.replicas)
+        floor = f"; schedule floor {self.floor}" if self.floor else ""
+        if self.forecast_rps is not None:
+            floor += f"; forecast {self.forecast_rps:.3g} req/s in {self.forecast_horizon_s:.0f} s"
+        slo = "".join(
+            f"; {name} p95 {value:.3g} s"
+            for name, value in (("TTFT", self.ttft_p95_short), ("TPOT", self.tpot_p95_short))
+            if value is not None
+        )
         return (
             f"{n} serving, {self.starting} starting; {self.load} in flight, "
-            f"{self.waiting} waiting, KV {self.kv_usage:.0%}"
+            f"{self.waiting} waiting, KV {self.kv_usage:.0%}{slo}{floor}"
         )
+
+    def forecast_need(self, cfg: AutoscaleConfig, per_replica: int) -> int:
+        """Replicas the forecast rate needs (0: no forecast): its requests in flight by
+        Little's law, with the time each spends as now (in flight / arrival rate)."""
+        if self.forecast_rps is None:
+            return 0
+        if self.capacity and self.capacity_rps:  # the model's requests/s per replica
+            rps = self.capacity_rps * per_replica / self.capacity
+            return math.ceil(self.forecast_rps / rps) + cfg.warm_spares
+        if not self.rate_rps or not self.load:
+            return 0
+        in_flight = self.forecast_rps * self.load / self.rate_rps
+        return math.ceil(in_flight / per_replica) + cfg.warm_spares
+
+    def slo_burn(self, cfg: AutoscaleConfig) -> list[str]:
+        """The SLOs burnt over both windows, as reasons."""
+        out = []
+        for name, short, long, slo in (
+            ("TTFT", self.ttft_p95_short, self.ttft_p95_long, cfg.ttft_p95_s),
+            ("TPOT", self.tpot_p95_short, self.tpot_p95_long, cfg.tpot_p95_s),
+        ):
+            if short is not None and long is not None and short > slo and long > slo:
+                out.append(
+                    f"{name} p95 {short:.3g} s over {cfg.slo_short_window_s:g} s and "
+                    f"{long:.3g} s over {cfg.slo_long_window_s:g} s > {slo:g} s"
+                )
+        return out
+
+    def slo_short_over(self, cfg: AutoscaleConfig) -> bool:
+        return (self.ttft_p95_short or 0.0) > cfg.ttft_p95_s or (
+            self.tpot_p95_short or 0.0
+        ) > cfg.tpot_p95_s
 
 
 @dataclass(frozen=True)
@@ -131,15 +228,29 @@ def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float
     if target != state.target:
         reason = f"autoscale.min..max is {cfg.min}..{cfg.max}"
         return _change(state, state.target, target, reason, now)
+    floor = min(sig.floor, cfg.max)
+    if target < floor:  # a schedule's floor: known ahead, so no window and no measurement
+        return _change(state, target, floor, sig.floor_reason, now)
     if not sig.measured:
         return _hold(state, "the router did not answer: no load measured", None, None)
+    if (
+        cfg.min == 0
+        and floor == 0
+        and (zero := _to_or_from_zero(cfg, sig, state, target, now)) is not None
+    ):
+        return zero
     n = len(sig.replicas)
     if n == 0:
         return _hold(state, "no replica serves yet: nothing to measure", pressure=None, slack=None)
     per_replica = sig.per_replica(cfg.target_in_flight)
     wanted = math.ceil(sig.load / per_replica) + cfg.warm_spares
-    need = _clamp(cfg, wanted)
+    ahead = sig.forecast_need(cfg, per_replica)
+    need = _clamp(cfg, max(wanted, ahead))
     pressure = _pressure(cfg, sig, target, wanted, per_replica)
+    if min(ahead, cfg.max) > max(target, wanted):
+        pressure.append(
+            f"forecast {sig.forecast_rps:.3g} req/s in {sig.forecast_horizon_s:.0f} s needs {ahead}"
+        )
     if pressure:
         since = state.pressure_since if state.pressure_since is not None else now
         held = now - since
@@ -148,6 +259,8 @@ def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float
             return _hold(state, f"{why} for {held:.0f} s of {cfg.scale_up_window_s:g} s", since)
         if now - state.up_at < cfg.scale_up_cooldown_s:
             return _hold(state, f"{why}; in the cooldown after the last scale-up", since)
+        if sig.yield_to:
+            return _hold(state, f"{why}; {sig.yield_to}", since)
         if need > target:
             new = need
         elif sig.starting:
@@ -160,13 +273,16 @@ def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float
     spare = target - 1 - cfg.warm_spares
     room = spare * per_replica * cfg.scale_down_utilization
     slack = (
-        target > cfg.min
+        target > max(cfg.min, 1, floor)  # the last replica goes only when idle (to zero)
         and sig.waiting == 0
         and sig.kv_usage * target / max(target - 1, 1) < cfg.max_kv_usage
         and sig.load <= room
+        and not sig.slo_short_over(cfg)
+        and ahead < target
     )
     if not slack:
-        return _hold(state, f"steady at {target}", pressure=None, slack=None)
+        kept = f"; {sig.floor_reason}" if floor and target <= floor else ""
+        return _hold(state, f"steady at {target}{kept}", pressure=None, slack=None)
     since = state.slack_since if state.slack_since is not None else now
     held = now - since
     why = (
@@ -180,6 +296,25 @@ def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float
     return _change(state, target, target - 1, f"{why} for {held:.0f} s", now, slack=since)
 
 
+def _to_or_from_zero(
+    cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, target: int, now: float
+) -> Decision | None:
+    """A pool that may scale to zero: wake it, take it to zero, or hold it there; None:
+    the ordinary rules decide."""
+    if target == 0:
+        age = sig.unserved_age_s
+        if age is not None and age < cfg.idle_s and now - age >= state.changed_at:
+            woken = _clamp(cfg, 1 + cfg.warm_spares)
+            why = f"a request found no replica {age:.0f} s ago (woken from zero)"
+            return _change(state, 0, woken, why, now)
+        return _hold(state, "at zero: no request since it scaled to zero")
+    if sig.load or sig.waiting or sig.idle_s is None or sig.idle_s < cfg.idle_s:
+        return None
+    if now - state.changed_at < cfg.scale_down_cooldown_s:
+        return _hold(state, "idle; in the cooldown after the last change")
+    return _change(state, target, 0, f"no request for {sig.idle_s:.0f} s (scale to zero)", now)
+
+
 def _pressure(
     cfg: AutoscaleConfig, sig: Signals, target: int, wanted: int, per_replica: int
 ) -> list[str]:
@@ -189,6 +324,7 @@ def _pressure(
         out.append(f"{sig.waiting / n:.1f} waiting per replica > {cfg.max_waiting_per_replica}")
     if sig.kv_usage > cfg.max_kv_usage:
         out.append(f"KV cache {sig.kv_usage:.0%} full > {cfg.max_kv_usage:.0%}")
+    out += sig.slo_burn(cfg)
     if min(wanted, cfg.max) > target:
         spares = f" + {cfg.warm_spares} spare(s)" if cfg.warm_spares else ""
         over = f" (max {cfg.max})" if wanted > cfg.max else ""

@@ -29,13 +29,18 @@ from hpcserve.contracts.protocol import ReplicaInfo
 from hpcserve.contracts.router_client import (
     RouterQueryError,
     list_health_events,
-    list_replicas,
+    replica_list,
 )
 from hpcserve.health.node_actions import NodeHealthActions
 from hpcserve.modelcache.registry import RegistryError
+from hpcserve.poolmgr.autoscale_capacity import check as check_capacities
 from hpcserve.poolmgr.autoscale_pools import AutoscaledPools
 from hpcserve.poolmgr.batch_pools import BatchPools, is_elastic
+from hpcserve.poolmgr.canary_records import CanaryRecords
+from hpcserve.poolmgr.cold_start import ColdStarts
+from hpcserve.poolmgr.cost_gauges import CostGauges
 from hpcserve.poolmgr.failures import FailureTracker
+from hpcserve.poolmgr.job_records import JobRecords
 from hpcserve.poolmgr.job_states import JobStates, Transition
 from hpcserve.poolmgr.observe import Observation, observe
 from hpcserve.poolmgr.placement import CacheInventory, PinWatch, chooses_nodes, job_pins
@@ -51,6 +56,7 @@ from hpcserve.poolmgr.reconcile import (
 )
 from hpcserve.poolmgr.registry_usage import RegistryUsage
 from hpcserve.poolmgr.render import render
+from hpcserve.poolmgr.rollout_controller import RolloutController
 from hpcserve.poolmgr.scrape_targets import ScrapeTargetsFile
 from hpcserve.poolmgr.spec import (
     build_job_spec,
@@ -124,24 +130,38 @@ class PoolManager:
         self.failures = FailureTracker(config.poolmgr.healthy_after_s)
         registry = metrics_registry or CollectorRegistry()
         self.metrics = PoolMgrMetrics(registry)
+        self.cost_gauges = CostGauges(registry)
+        # GPU-hours for `hpcserve report` where Slurm keeps no accounting (local jobs'
+        # numbers restart with each run: nothing to account)
+        self.job_records = (
+            JobRecords(config.state_dir) if config.poolmgr.launcher == "slurm" else None
+        )
         fetch = functools.partial(list_health_events, curve_dir=config.router.curve_dir)
         self.node_health = NodeHealthActions(slurm, registry, fetch=fetch)
         self.batch_pools = BatchPools(registry)
-        self.autoscaled = AutoscaledPools(registry)
+        check_capacities(config)  # autoscale.capacity: the planner can answer (ConfigError)
+        self.autoscaled = AutoscaledPools(registry, Path(config.state_dir))
+        # Each pool's cold start from its own jobs, kept in the state dir (cold_start.py).
+        self.cold_starts = ColdStarts(Path(config.state_dir), registry)
         self._clock = clock
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._router_endpoint = router_endpoint
         self._replicas: list[ReplicaInfo] = []
         self._replicas_fresh = False  # the last ListReplicas answered (autoscaling needs it)
+        self._unserved: dict[str, float] = {}  # model -> age of its last Route with no replica
         self._nodes: list[SlurmNode] = []
         self.cache_inventory = CacheInventory()
         self.pin_watch = PinWatch(config.poolmgr.pin_wait_s)
         self.registry_usage = RegistryUsage(config.registry_path())
+        # Golden records as files for the engines' numerical canaries (canary_records.py).
+        self.canary_records = CanaryRecords(config.state_dir, config.registry_path())
         targets_file = config.poolmgr.scrape_targets_file
         self.scrape_targets = ScrapeTargetsFile(Path(targets_file)) if targets_file else None
         self.job_states = JobStates()
         self.last_observation: Observation | None = None
+        # Staged rollouts: a loop of its own beside this one (poolmgr/rollout_controller.py).
+        self.rollouts = RolloutController(config, metrics_registry=registry, clock=clock)
 
     @property
     def state_dir(self) -> Path:
@@ -172,13 +192,18 @@ class PoolManager:
         if endpoint is None:
             return []
         try:
-            self._replicas = list_replicas(
+            listing = replica_list(
                 endpoint or self.config.router.gateways_dial(),
                 curve_dir=self.config.router.curve_dir,
             )
+            self._replicas = listing.replicas
+            self._unserved = listing.unserved
             for replica in self._replicas:
                 self.cache_inventory.report(replica.node, replica.cached)
             self.registry_usage.sync(self._replicas)
+            self.canary_records.sync(
+                (r.model_ref for r in self._replicas if r.model_ref), self._clock()
+            )
             if self.scrape_targets is not None:
                 self.scrape_targets.update(self._replicas)
             self._replicas_fresh = True
@@ -201,6 +226,11 @@ class PoolManager:
         observation = observe(snapshot.jobs, self._read_replicas(), self._read_nodes(), digests)
         transitions = self.job_states.observe(observation.ours)
         self._log_state_changes(transitions)
+        self.cost_gauges.update(self.config, observation.ours)
+        if self.job_records is not None:
+            self.job_records.update(self.config, transitions, self._clock())
+        if self._replicas_fresh:
+            self.cold_starts.observe(observation.ours, self._replicas, self._clock())
         for line in self.failures.update(transitions, observation.serving_job_ids, self._clock()):
             log.warning(line)
         self.memory.failures = self.failures.failures
@@ -253,11 +283,19 @@ class PoolManager:
         desired = self.autoscaled.resize(
             self.config, self.desired(overrides), overrides, observation.jobs,
             self.memory.draining_since, self._replicas if self._replicas_fresh else None,
-            observation.admin_serving, now,
+            observation.admin_serving, now, unserved=self._unserved,
+            lead_s=self.cold_starts.leads(),
         )  # fmt: skip
         desired = self.batch_pools.resize(
             self.config, desired, observation.jobs, self.memory.draining_since,
             self._nodes, now,
+        )  # fmt: skip
+        # A full partition: a replica from a pool of lower priority (poolmgr/gpu_take.py).
+        desired = self.autoscaled.take_gpus(
+            self.config, desired, observation.jobs, self.memory.draining_since,
+            {job.job_id: job.state_reason for job, _ in observation.ours
+             if job.state is JobState.PENDING},
+            overrides, now,
         )  # fmt: skip
         for name, want in desired.items():
             self.metrics.desired.labels(name).set(want)
@@ -354,6 +392,7 @@ class PoolManager:
                 role=pool.role, max_replicas=pool.max_replicas,
                 backlog=self.batch_pools.pool_backlog.get(pool.name) if is_elastic(pool) else None,
                 autoscale=self._autoscale_status(pool.name),
+                cold_start=est.describe() if (est := self.cold_starts.estimate(pool.name)) else "",
             ))  # fmt: skip
         status = PoolMgrStatus(updated_at=now, pools=pools, unmanaged_pools=plan.unmanaged_pools)
         try:
@@ -374,6 +413,7 @@ class PoolManager:
             signals=signals.summary(),
             last_reason=decision.state.last_reason,
             now=decision.reason,
+            capacity=signals.capacity_text(auto.target_in_flight),
         )
 
     # -- acting ------------------------------------------------------------------------------
@@ -449,11 +489,13 @@ class PoolManager:
             return False
         try:
             config = load_config(self.config_path)
+            check_capacities(config)
         except ConfigError as err:
             log.error("reload refused, keeping the running config: %s", err)
             return False
         changed = [p.name for p in config.pools if p not in self.config.pools]
         self.config = config
+        self.rollouts.config = config
         log.info(
             "config reloaded from %s; pools changed: %s",
             self.config_path,
@@ -471,7 +513,9 @@ class PoolManager:
             "pool manager started: %s",
             ", ".join(f"{p.name}={p.replicas}" for p in self.config.pools) or "no pools",
         )
+        rollouts = self.rollouts.start(self._stop)
         while not self._stop.is_set():
             self.poll_once()
             self._stop.wait(self.config.poolmgr.poll_s)
+        rollouts.join(self.config.rollout.metrics_timeout_s + 5)
         log.info("pool manager stopped")

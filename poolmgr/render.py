@@ -56,6 +56,9 @@ class JobSpec:
     env: tuple[tuple[str, str], ...] = ()
     extra_sbatch: tuple[str, ...] = field(default_factory=tuple)
     nodes: int = 1
+    # argv the engine starts under (a container), and environment modules loaded first.
+    launch_prefix: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ()
 
     @property
     def template_name(self) -> str:
@@ -129,6 +132,9 @@ def settings_lines(spec: JobSpec) -> list[str]:
     lines.append(
         "HPCSERVE_ENGINE_ARGS=(" + " ".join(shlex.quote(a) for a in spec.engine_args) + ")"
     )
+    for name, words in (("MODULES", spec.modules), ("LAUNCH_PREFIX", spec.launch_prefix)):
+        if words:
+            lines.append(f"HPCSERVE_{name}=(" + " ".join(shlex.quote(w) for w in words) + ")")
     for name, value in spec.env:
         if not _ENV_NAME.match(name):
             raise RenderError(f"environment variable name {name!r} is not a valid shell name")

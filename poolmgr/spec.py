@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from hpcserve.config import HealthConfig, PlatformConfig, PoolConfig
-from hpcserve.contracts.engine_args import scheduling_args, tool_call_args
+from hpcserve.contracts.engine_args import kv_transfer_args, scheduling_args, tool_call_args
 from hpcserve.contracts.engine_token import FILE_ENV
 from hpcserve.poolmgr.identity import new_identity
 from hpcserve.poolmgr.render import JobSpec
@@ -40,7 +40,8 @@ def pool_spec_digest(config: PlatformConfig, pool: PoolConfig) -> str:
     replica.
     """
     fields = _set_fields(msgspec.structs.replace(pool, replicas=0))
-    for sizing in ("max_replicas", "backlog_per_replica", "scale_down_after_s"):
+    sizing_keys = ("max_replicas", "backlog_per_replica", "scale_down_after_s", "autoscale")
+    for sizing in (*sizing_keys, "priority"):
         fields.pop(sizing, None)
     shape = (
         fields,
@@ -87,6 +88,9 @@ class ResolvedModel:
     model_ref: str = ""  # name@version in the registry
     manifest: str = ""  # where its digest manifest was written for the job to read
     lora_plan: str = ""  # LoRA on: where the pool's LoRA plan was written for the job
+    # Where the version's golden record is kept for the job (poolmgr/canary_records.py),
+    # whether or not it has one yet.
+    canary_record: str = ""
 
 
 def resolve_model(config: PlatformConfig, pool: PoolConfig) -> ResolvedModel:
@@ -98,11 +102,13 @@ def resolve_model(config: PlatformConfig, pool: PoolConfig) -> ResolvedModel:
         return ResolvedModel(model_path=pool.model_path, lora_plan=lora_plan)
     from hpcserve.modelcache.refs import cache_key
     from hpcserve.modelcache.registry import Registry
+    from hpcserve.poolmgr.canary_records import write_record_file
 
     registry = Registry(Path(config.registry_path()))
     try:
         version = registry.version(pool.model_ref)
         manifest = registry.manifest(version.ref)
+        canary_record = write_record_file(registry, config.state_dir, version.ref)
     finally:
         registry.close()
     path = (
@@ -118,6 +124,7 @@ def resolve_model(config: PlatformConfig, pool: PoolConfig) -> ResolvedModel:
         model_ref=version.ref,
         manifest=str(path),
         lora_plan=lora_plan,
+        canary_record=str(canary_record),
     )
 
 
@@ -168,7 +175,7 @@ def build_job_spec(
         nodes=pool.nodes_per_replica,
         time_limit_min=config.slurm.time_limit_min,
         drain_s=config.slurm.drain_s,
-        hpcserve_bin=hpcserve_executable(),
+        hpcserve_bin=config.engine.hpcserve_bin or hpcserve_executable(),
         model_path=model.model_path,
         model=pool.model,
         router=config.router.engines_dial(),
@@ -192,8 +199,17 @@ def build_job_spec(
             *scheduling_args(pool.scheduling_policy, (*model.engine_args, *pool.engine_args)),
             # After the registry version's arguments: the pool's parser wins over the version's.
             *tool_call_args(pool.tool_call_parser),
+            # A prefill or decode pool's KV-transfer connector (docs/disaggregation.md).
+            *kv_transfer_args(
+                pool.role,
+                pool.engine,
+                (*model.engine_args, *pool.engine_args),
+                pool.kv_transfer_dir,
+            ),
         ),
         env=_job_env(pool, model) + _health_env(config) + _curve_env(config) + _token_env(config),
+        launch_prefix=tuple(config.pool_launch_prefix(pool)),
+        modules=tuple(config.pool_modules(pool)),
     )
 
 
@@ -223,4 +239,6 @@ def _job_env(pool: PoolConfig, model: ResolvedModel) -> tuple[tuple[str, str], .
         env["HPCSERVE_POOL_ROLE"] = pool.role  # read by `hpcserve engine --role`
     if model.lora_plan:
         env["HPCSERVE_LORA_PLAN"] = model.lora_plan  # read by `hpcserve engine --lora-plan`
+    if model.canary_record:  # read by `hpcserve engine --canary-record`
+        env["HPCSERVE_CANARY_RECORD"] = model.canary_record
     return tuple(sorted(env.items()))

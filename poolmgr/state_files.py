@@ -25,6 +25,8 @@ class AutoscaleStatus(msgspec.Struct, frozen=True):
     signals: str  # "2 serving, 1 starting; 19 in flight, 9 waiting, KV 40%"
     last_reason: str  # the last change: "up 2->4: 9.0 waiting per replica > 2 for 10 s"
     now: str  # this poll's decision: the change, or why it holds
+    # What one replica sustains and where the number comes from (autoscale_capacity.py).
+    capacity: str = ""
 
 
 class PoolStatus(msgspec.Struct, frozen=True):
@@ -44,6 +46,8 @@ class PoolStatus(msgspec.Struct, frozen=True):
     max_replicas: int = 0  # an elastic batch pool's ceiling; 0: a fixed size
     backlog: int | None = None  # an elastic batch pool's Batch API backlog (requests)
     autoscale: AutoscaleStatus | None = None  # an autoscaled pool's target and reasons
+    # Its measured cold start (poolmgr/cold_start.py): "95 s p90 (median queue 12 s + ...)".
+    cold_start: str = ""
 
 
 class PoolMgrStatus(msgspec.Struct, frozen=True):

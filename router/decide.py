@@ -199,12 +199,18 @@ class Decider:
             table.held_tokens[replica.row] = self.index.blocks(replica.replica_id) * size
 
     def pick(
-        self, msg: p.Route, now: float, candidates: Sequence[Replica] | None = None
+        self,
+        msg: p.Route,
+        now: float,
+        candidates: Sequence[Replica] | None = None,
+        phase: str = "",
     ) -> Replica | None:
         """The replica for this request, counted as routed; None when there is none.
 
         `candidates` narrows the choice to some replicas of one model (a LoRA adapter's
         hosts, a retry excluding replicas); None means every replica of `msg.model`.
+        `phase` "prefill": the prefill replica of a disaggregated request (policies/
+        pd_roles.py), picked by the policy alone (a session sticks to its decode replica).
         """
         if self._unrecorded:
             self.record_routed()
@@ -217,7 +223,9 @@ class Decider:
             allowed = np.zeros(len(table), bool)
             allowed[[r.row for r in candidates if r.model == model and r.row >= 0]] = True
         request = self.request_of(msg, model)
-        replica = self._sticky(request, table, now, allowed) if request.session_key else None
+        request.phase = phase
+        sticky = request.session_key and not phase
+        replica = self._sticky(request, table, now, allowed) if sticky else None
         if replica is None:
             if self.policy.uses_prefix and (
                 self.config.kv_capacity_tokens or table.kv_capacity_rows
@@ -252,6 +260,6 @@ class Decider:
                     )
             elif prefix:
                 self._unrecorded.append((replica, request.block_hashes, now, None, 0))
-        if request.session_key:
+        if sticky:
             self.sessions.remember(request.session_key, replica.replica_id, now)
         return replica

@@ -35,6 +35,8 @@ class Replica:
     row: int = -1
     # Service rate and batch size: its queue wait, for overflow (router/queue_wait.py).
     service: queue_wait.ServiceTracker = field(default_factory=queue_wait.ServiceTracker)
+    # Requests routed here since it registered (ReplicaInfo.routed, for autoscaling).
+    routed_total: int = 0
 
     @property
     def replica_id(self) -> str:
@@ -64,6 +66,7 @@ class Replica:
             cached=self.spec.cached,
             model_ref=self.spec.model_ref,
             role=self.spec.role,
+            routed=self.routed_total,
         )
 
 
@@ -107,6 +110,7 @@ class Registry:
         if self.track_service and not replica.in_flight:
             replica.service.started(queue_wait.clock())
         replica.in_flight += 1
+        replica.routed_total += 1
         replica.active_tokens += prompt_tokens
         self._tables[replica.model].count(replica)
 

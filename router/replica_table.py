@@ -46,6 +46,10 @@ class ReplicaTable:
         # Rows of batch-pool replicas (Register.role "batch"), fixed at add; and how many.
         self.batch_pool = np.zeros(0, bool)
         self.batch_rows = 0
+        # Rows of prefill-pool replicas (Register.role "prefill", policies/pd_roles.py), fixed
+        # at add; and how many.
+        self.prefill_pool = np.zeros(0, bool)
+        self.prefill_rows = 0
 
     def __len__(self) -> int:
         return len(self.replicas)
@@ -63,6 +67,7 @@ class ReplicaTable:
         "held_tokens",
         "kv_capacity",
         "batch_pool",
+        "prefill_pool",
     )
     # The share average spans SHARE_WINDOW decisions, or SHARE_WINDOW_PER_REPLICA per
     # replica in a larger fleet: a 32-decision window cannot tell 2% shares apart.
@@ -112,6 +117,9 @@ class ReplicaTable:
         if replica.spec.role == "batch":
             self.batch_pool[replica.row] = True
             self.batch_rows += 1
+        elif replica.spec.role == "prefill":
+            self.prefill_pool[replica.row] = True
+            self.prefill_rows += 1
         self.update(replica)
 
     def remove(self, replica: Replica) -> None:
@@ -120,6 +128,8 @@ class ReplicaTable:
             self.unroutable -= 1
         if self.batch_pool[row]:
             self.batch_rows -= 1
+        if self.prefill_pool[row]:
+            self.prefill_rows -= 1
         if self.kv_capacity[row] > 0:
             self.kv_capacity_rows -= 1
         self.share_total -= float(self.share_raw[row]) * self.share_scale

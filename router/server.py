@@ -6,9 +6,10 @@ and gateways connect DEALERs. One thread owns the sockets and polls them with a 
 so lease expiry runs even when no message arrives. The registry and KV relay sockets are
 libzmq's; the routing socket speaks ZMTP on plain sockets in the same poll
 (contracts/zmtp.py: no libzmq I/O thread between a gateway's Route and the decision).
-With `router.curve_dir` every one of them is CURVE: the registry and KV relay sockets admit
-the engine key, the routing socket the gateway key (contracts/zmtp_curve.py); without it
-each is plain, and refused on a non-loopback bind unless `router.allow_plain_remote`.
+Every one of them is CURVE (`router.curve_dir`, by default <state_dir>/curve): the registry
+and KV relay sockets admit the engine key, the routing socket the gateway key
+(contracts/zmtp_curve.py). Plain only when the config asks for it: `router.allow_plain_loopback`
+(loopback binds) or `router.allow_plain_remote` (any bind).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hpcserve.config import RouterConfig
 from hpcserve.contracts import protocol as p
 from hpcserve.contracts.curve import (
     CurveError,
+    check_plain_allowed,
     check_plain_bind,
     make_server,
     start_authenticator,
@@ -38,8 +40,8 @@ from hpcserve.contracts.health_policy import severity, worst_action
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
 from hpcserve.contracts.zmtp import ZmtpRouter
 from hpcserve.contracts.zmtp_curve import routing_server_keys
-from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
-from hpcserve.router.aliases import AliasCatalog, AliasRouter
+from hpcserve.router.adapters import NO_REPLICA, AdapterCatalog, AdapterRouter
+from hpcserve.router.aliases import ALIAS_NO_REPLICA, AliasCatalog, AliasRouter
 from hpcserve.router.decide import Decider
 from hpcserve.router.health_events import HealthEventLog
 from hpcserve.router.in_flight_book import InFlightBook
@@ -47,7 +49,8 @@ from hpcserve.router.kv_subscriber import KvEventSubscriber
 from hpcserve.router.prefix_index import PrefixIndex
 from hpcserve.router.queue_wait import within_budget
 from hpcserve.router.quota_book import QuotaBook
-from hpcserve.router.registry import Registry
+from hpcserve.router.registry import Registry, Replica
+from hpcserve.router.unserved import UnservedModels
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +73,24 @@ class RouterMetrics:
             registry=registry,
         )
         self.routed = self.routes.labels("routed")  # the hot path's child, looked up once
+        self.pd_routes = Counter(
+            "hpcserve_router_pd_routes_total",
+            "Disaggregated requests by placement: prefill and decode on the same node, on "
+            "other nodes, or served whole (no prefill replica usable)",
+            ["placement"],
+            registry=registry,
+        )
         self.health_findings = Counter(
             "hpcserve_router_health_findings_total",
             "Health findings engines reported, by check and action",
             ["check", "action"],
+            registry=registry,
+        )
+        self.canary_checks = Counter(
+            "hpcserve_router_canary_checks_total",
+            "Numerical canary checks engines ran (before registering, periodic), by version "
+            "and result (pass, mismatch, error)",
+            ["model_ref", "stage", "result"],
             registry=registry,
         )
         self.lease_expiries = Counter(
@@ -128,16 +145,24 @@ class RouterServer:
         adapters: AdapterRouter | None = None,
         aliases: AliasRouter | None = None,
         routing_socket: str = "zmtp",
+        restart_grace_s: float = 0.0,
     ) -> None:
         """routing_socket: "zmtp" (contracts/zmtp.py), or "libzmq" (a libzmq ROUTER, kept to
-        compare the two in bench/router_roundtrip.py)."""
+        compare the two in bench/router_roundtrip.py). restart_grace_s: for this long after
+        `bind`, a model with no replica is answered ROUTER_STARTING, not no_replica: the
+        engines of a running fleet re-register at their next heartbeat, and gateways ask
+        again meanwhile instead of failing the request (`hpcserve router`: router.lease_s)."""
         self.config = config
+        self.restart_grace_s = restart_grace_s
+        self._grace_until = 0.0
         self.adapters = adapters or AdapterRouter(AdapterCatalog.empty(), clock=clock)
         self.registry = Registry(config.lease_s)
         self.quotas = QuotaBook()
         # New at every start: the quota book's, and in RouteReply for in-flight re-declaration.
         self.epoch = self.quotas.epoch
         self.health_log = HealthEventLog()
+        # Routes that found no replica, per model (a pool at zero wakes on them).
+        self.unserved = UnservedModels()
         prom = metrics_registry or CollectorRegistry()
         self.metrics = RouterMetrics(prom)
         prom.register(_RefusedConnections(self))
@@ -180,12 +205,26 @@ class RouterServer:
         # What engines' agents dial to relay KV events (told in RegistryAck; "": none).
         self.kv_relay = ""
 
+    def _unserved(self, request_id: int, error: str, model: str = "") -> p.RouteReply:
+        """A Route no replica can take: during the restart grace, while the fleet's engines
+        re-register, "ask again" (p.ROUTER_STARTING) instead of a missing replica. The model
+        asked for is recorded as unserved demand (router/unserved.py: it wakes a pool at zero)."""
+        if model:
+            self.unserved.missed(model, self._clock())
+        if error in (NO_REPLICA, ALIAS_NO_REPLICA) and self._clock() < self._grace_until:
+            error = p.ROUTER_STARTING
+        self.metrics.routes.labels(error).inc()
+        return p.RouteReply(request_id, error=error)
+
     def bind(self) -> None:
-        # CURVE on every socket (contracts/curve.py); plain only on loopback unless allowed.
+        self._grace_until = self._clock() + self.restart_grace_s
+        # CURVE on every socket (contracts/curve.py); plain only when the config asks, and
+        # on a non-loopback bind only with allow_plain_remote.
         config = self.config
         curve_dir = config.curve_dir
         relay_bind = config.kv_relay_binds()
         try:
+            check_plain_allowed(curve_dir, config.allow_plain_loopback, config.allow_plain_remote)
             for endpoint, setting, what in (
                 (config.registry_bind, "router.registry_bind", "the registry"),
                 (config.routing_bind, "router.routing_bind", "the routing socket"),
@@ -226,9 +265,10 @@ class RouterServer:
             raise
         if not curve_dir:
             log.warning(
-                "router.curve_dir is not set: every socket is plain, so any user of this host "
-                "can register replicas, route and read the replica list (run `hpcserve keys` "
-                "and set router.curve_dir on a host others log in to)"
+                "plain sockets (router.allow_plain_%s): any process that reaches them, any "
+                "user of this host included, can register replicas, route and read the "
+                "replica list; leave router.curve_dir to its default on a host others log in to",
+                "remote" if config.allow_plain_remote else "loopback",
             )
         log.info(
             "router listening: registry %s, routing %s, KV relay %s (%s)",
@@ -384,6 +424,10 @@ class RouterServer:
                 self.metrics.registry_messages.labels("adapter_loaded").inc()
                 self.adapters.on_loaded(msg)
                 return
+            case p.CanaryReport():
+                self.metrics.registry_messages.labels("canary_report").inc()
+                self.metrics.canary_checks.labels(msg.model_ref, msg.stage, msg.result).inc()
+                return
         sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
 
     def _on_routing(self, payload: bytes, peer: bytes = b"") -> bytes | None:
@@ -401,6 +445,8 @@ class RouterServer:
                 reply = self.route(msg, peer)
                 if peer and reply.replica_id:
                     self.in_flight_book.booked(peer, reply.replica_id, msg.model)
+                    if reply.prefill_replica_id:
+                        self.in_flight_book.booked(peer, reply.prefill_replica_id, msg.model)
             case p.Release():
                 self._released_by(peer, msg.replica_id, msg.model)
                 return None
@@ -424,6 +470,7 @@ class RouterServer:
                     [r.info(now) for r in self.registry],
                     self.epoch,
                     {a.name: a.target for a in self.aliases.catalog.all()},
+                    unserved=self.unserved.ages(now),
                 )
             case p.QuotaReport():
                 reply = self.quotas.report(msg, self._clock())
@@ -493,12 +540,12 @@ class RouterServer:
             model = msg.released_models[i] if i < len(msg.released_models) else ""
             self._released_by(peer, replica_id, model)
         started = time.perf_counter()
+        asked = msg.model
         candidates = self.registry.for_model(msg.model)
         served_as = ""
         if not candidates and (alias := self.aliases.resolve(msg, self.registry)) is not None:
             if alias.candidates is None:
-                self.metrics.routes.labels(alias.error).inc()
-                return p.RouteReply(msg.request_id, error=alias.error)
+                return self._unserved(msg.request_id, alias.error, asked)
             served_as, candidates = alias.model, alias.candidates
             msg = msgspec.structs.replace(msg, model=served_as)
         adapter = not candidates and self.adapters.is_adapter(msg.model)
@@ -514,8 +561,7 @@ class RouterServer:
                     [decision.peer, p.encode(decision.load)], zmq.NOBLOCK
                 )
             if not decision.candidates:
-                self.metrics.routes.labels(decision.error).inc()
-                return p.RouteReply(msg.request_id, error=decision.error)
+                return self._unserved(msg.request_id, decision.error, asked)
             candidates = list(decision.candidates)
         if msg.exclude:
             candidates = [r for r in candidates if r.replica_id not in msg.exclude]
@@ -528,16 +574,75 @@ class RouterServer:
                 return p.RouteReply(
                     msg.request_id, error=OVER_QUEUE_BUDGET, queue_wait_s=round(wait_s, 3)
                 )
+        table = self.registry.table(msg.model) if not adapter else None
+        if table is not None and table.prefill_rows:
+            return self._route_pd(msg, candidates, served_as, asked, started)
         replica = self.decider.pick(msg, self._clock(), candidates)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if replica is None:
-            self.metrics.routes.labels("no_replica").inc()
-            return p.RouteReply(msg.request_id, error="no_replica")
+            return self._unserved(msg.request_id, NO_REPLICA, asked)
         if adapter:
             self.adapters.routed(replica.replica_id, msg.model)
         self.metrics.routed.inc()
         return p.RouteReply(
-            msg.request_id, replica.replica_id, replica.spec.url, model=served_as, epoch=self.epoch
+            msg.request_id,
+            replica.replica_id,
+            replica.spec.url,
+            model=served_as,
+            epoch=self.epoch,
+            model_ref=replica.spec.model_ref,
+            adapter=msg.model if adapter else "",
+        )
+
+    def _route_pd(
+        self, msg: p.Route, candidates: list[Replica], served_as: str, asked: str, started: float
+    ) -> p.RouteReply:
+        """A model with a prefill pool (policies/pd_roles.py): the prefill replica by the
+        policy over the prefill rows (prefix overlap, queue), then the decode replica over
+        the others (KV headroom, load), on the prefill's node when one there is not
+        overloaded. Without a usable prefill replica the decode replica serves it whole."""
+        now = self._clock()
+        prefill = self.decider.pick(msg, now, candidates, phase="prefill")
+        decode_candidates = candidates
+        if prefill is not None:
+            near = [
+                r
+                for r in candidates
+                if r.spec.node == prefill.spec.node and r.spec.role != "prefill" and r.routable
+            ]
+            table = self.registry.table(msg.model)
+            if near and table is not None:
+                floor = table.load_floor()
+                least = min(float(table.load[r.row]) for r in near)
+                if least <= floor + self.config.routing.overload_abs:
+                    decode_candidates = near
+        replica = self.decider.pick(msg, now, decode_candidates)
+        if replica is None and decode_candidates is not candidates:
+            replica = self.decider.pick(msg, now, candidates)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if replica is not None and prefill is not None and replica.spec.role != "decode":
+            # Only a decode replica loads a transferred prompt: serve it whole there.
+            self.registry.released(prefill.replica_id)
+            prefill = None
+        if replica is None:
+            if prefill is not None:
+                self.registry.released(prefill.replica_id)
+            return self._unserved(msg.request_id, NO_REPLICA, asked)
+        self.metrics.routed.inc()
+        if prefill is None:
+            placement = "whole"
+        else:
+            placement = "same_node" if prefill.spec.node == replica.spec.node else "other_node"
+        self.metrics.pd_routes.labels(placement).inc()
+        return p.RouteReply(
+            msg.request_id,
+            replica.replica_id,
+            replica.spec.url,
+            model=served_as,
+            epoch=self.epoch,
+            model_ref=replica.spec.model_ref,
+            prefill_replica_id=prefill.replica_id if prefill is not None else "",
+            prefill_url=prefill.spec.url if prefill is not None else "",
         )
 
     def _publish_gauges(self) -> None:

@@ -9,7 +9,11 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 say() { echo "[bootstrap] $*"; }
 
-debs=(slurmctld slurmd slurm-client munge prometheus)
+# slurmdbd and mariadb-server: Slurm's accounting (sacct) for `hpcserve report` and its tests
+# (hpcserve/local_accounting.py runs its own MariaDB and slurmdbd per test cluster).
+# systemd (systemd-analyze) and python3-venv: the service units' tests (tests/integration/
+# test_systemd_services.py runs them as a service account from a venv of Debian's python).
+debs=(slurmctld slurmd slurm-client munge prometheus slurmdbd mariadb-server systemd python3-venv)
 missing=()
 for pkg in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

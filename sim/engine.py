@@ -56,6 +56,9 @@ class SimConfig:
     # A file to append one JSON line per finished request to (--request-trace): what the
     # replica was doing when the request arrived, and its timeline; "" for none.
     request_trace: str = ""
+    # Fault injection (--sim-error-rate): this share of completion requests is answered
+    # 500 before any token, as an engine that fails would.
+    error_rate: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ The simulator's own: --sim-gpu (a GPU of the planner's catalog), --sim-model (a 
 model or a config.json; default: the --model directory's config.json, else
 llama-3.1-8b), --sim-weights-dtype / --sim-kv-dtype (bf16 default), --time-scale (wall
 seconds per modelled second), and --prefill-ms-per-token / --decode-ms-per-token, which
-replace the roofline by fixed timing.
+replace the roofline by fixed timing. --sim-error-rate injects faults: that share of
+completion requests is answered 500 (vLLM's error shape) before any token.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=16)
     parser.add_argument(
         "--request-trace", default="", help="append one JSON line per finished request here"
+    )
+    parser.add_argument(
+        "--sim-error-rate",
+        type=float,
+        default=0.0,
+        help="share of completion requests answered 500 (fault injection), 0 to 1",
     )
 
 
@@ -117,6 +124,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         raise OptionsError("--served-model-name is required")
     if args.time_scale <= 0:
         raise OptionsError(f"--time-scale: must be > 0, got {args.time_scale}")
+    if not 0 <= args.sim_error_rate <= 1:
+        raise OptionsError(f"--sim-error-rate: must be from 0 to 1, got {args.sim_error_rate}")
     if args.scheduling_policy not in POLICIES:
         raise OptionsError(
             f"--scheduling-policy: {args.scheduling_policy!r}; allowed: {', '.join(POLICIES)}"
@@ -143,4 +152,5 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         kv_events=kv_events_config(args.kv_events_config),
         default_max_tokens=args.default_max_tokens,
         request_trace=args.request_trace,
+        error_rate=args.sim_error_rate,
     )

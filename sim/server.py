@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -52,8 +53,12 @@ def request_priority(request: Request, body: dict[str, Any]) -> int:
     return value
 
 
-def build_app(engine: SimEngine, *, lifespan: bool = True) -> Starlette:
+def build_app(
+    engine: SimEngine, *, lifespan: bool = True, rng: random.Random | None = None
+) -> Starlette:
+    """rng: draws the injected failures (SimConfig.error_rate)."""
     model = engine.config.served_model_name
+    draw = (rng or random.Random()).random
 
     async def health(request: Request) -> Response:
         return Response(status_code=200)
@@ -104,6 +109,8 @@ def build_app(engine: SimEngine, *, lifespan: bool = True) -> Starlette:
             return error(f"The model `{body.get('model')}` does not exist.", 404, "NotFoundError")
         if (body.get("n") or 1) != 1:
             return error("the simulated engine serves n=1 only", 400)
+        if engine.config.error_rate and draw() < engine.config.error_rate:
+            return error("injected failure (--sim-error-rate)", 500, "InternalServerError")
         try:
             max_tokens = _max_tokens(body, engine.config.default_max_tokens)
             if chat:

@@ -16,13 +16,17 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from hpcserve.slurm.parse import (
+    SACCT_FIELDS,
+    AccountedJob,
     SlurmNode,
     SlurmParseError,
     SqueueSnapshot,
+    parse_sacct,
     parse_sbatch_parsable,
     parse_scontrol_show_node_json,
     parse_squeue_json,
@@ -120,6 +124,9 @@ class SlurmCLI:
         runner: Runner | None = None,
     ):
         self.env = dict(os.environ if env is None else env)
+        # sacct prints times as Unix seconds (parse_sacct); the --json outputs of the other
+        # commands are not affected by it.
+        self.env["SLURM_TIME_FORMAT"] = "%s"
         self.timeout_s = timeout_s
         self._runner = runner or self._subprocess_runner
         self.calls: collections.Counter[str] = collections.Counter()
@@ -174,6 +181,13 @@ class SlurmCLI:
                 f"cannot read the job id: {exc}", argv=argv, stdout=res.stdout, stderr=res.stderr
             ) from exc
 
+    def test_submit(self, script: str, *, extra_args: Sequence[str] = ()) -> str:
+        """`sbatch --test-only`: would Slurm take this job (nothing is submitted)? Returns
+        Slurm's answer ("Job 12 to start at ... using 1 processors on nodes n1 in partition
+        gpu"); raises SlurmError with Slurm's own words when it would refuse it."""
+        res = self._run(["sbatch", "--test-only", *extra_args], script)
+        return " ".join((res.stderr or res.stdout).replace("sbatch: ", "").split())
+
     def jobs(self, *, name_prefix: str | None = None) -> SqueueSnapshot:
         """Every job slurmctld still remembers (all users, all partitions, finished ones
         until MinJobAge), in ONE squeue call; name_prefix filters here, not in Slurm."""
@@ -219,6 +233,28 @@ class SlurmCLI:
             return
         raise SlurmError.failed("scancel failed", argv, res)
 
+    def accounting(self, since: float, until: float) -> list[AccountedJob]:
+        """Every job allocation (all users) that ran between `since` and `until` (Unix
+        times), from Slurm's accounting database, in ONE sacct call. Raises SlurmError
+        quoting sacct when the cluster keeps no accounting (no slurmdbd)."""
+        argv = [
+            "sacct",
+            "--allusers",
+            "--allocations",
+            "--parsable2",
+            "--noheader",
+            f"--starttime={_sacct_time(since)}",
+            f"--endtime={_sacct_time(until)}",
+            f"--format={','.join(SACCT_FIELDS)}",
+        ]
+        res = self._run(argv)
+        try:
+            return parse_sacct(res.stdout)
+        except SlurmParseError as exc:
+            raise SlurmError(
+                f"cannot read sacct's output: {exc}", argv=argv, stderr=res.stderr
+            ) from exc
+
     # -- nodes
     def nodes(self) -> list[SlurmNode]:
         """Every node with its state list, reason and GRES.
@@ -259,6 +295,11 @@ class SlurmCLI:
                 raise SlurmError("cannot read the Slurm release", argv=argv, stdout=res.stdout)
             self._release = match.group(1)
         return self._release
+
+
+def _sacct_time(epoch: float) -> str:
+    """sacct's --starttime/--endtime: local time, to the second, as sacct reads it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch))
 
 
 def _text(value: object) -> str:

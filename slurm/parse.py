@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -473,15 +474,108 @@ def parse_scontrol_show_node_json(text: str | bytes) -> list[SlurmNode]:
     raise SlurmParseError(f"node --json output has no 'nodes' or 'sinfo' list: {_snippet(text)}")
 
 
+# ---------------------------------------------------------------- sacct
+
+# The columns SlurmCLI.accounting asks sacct for (`--parsable2 --noheader`), in this order;
+# JobName last, so a "|" in a job's name cannot shift the others.
+SACCT_FIELDS = ("JobIDRaw", "Partition", "State", "Start", "End", "AllocTRES", "NNodes", "JobName")
+_UNSET_TIMES = {"", "unknown", "none", "n/a"}
+
+
+class AccountedJob(msgspec.Struct, frozen=True):
+    """One job allocation as Slurm's accounting (slurmdbd) recorded it."""
+
+    job_id: int
+    name: str
+    partition: str
+    state: JobState
+    start: int | None  # Unix time; None: it never started
+    end: int | None  # None: still running
+    gpus: int | None  # allocated GPUs (AllocTRES gres/gpu); None: not tracked as a TRES
+    nodes: int
+
+
+def _sacct_time(value: str, line: str) -> int | None:
+    """A time as sacct prints it: Unix seconds (SLURM_TIME_FORMAT=%s, which the client
+    sets), else ISO 8601 local time (Slurm's default format); Unknown/None: unset."""
+    value = value.strip()
+    if value.lower() in _UNSET_TIMES:
+        return None
+    if value.isdigit():
+        return int(value) or None
+    try:
+        return int(time.mktime(time.strptime(value, "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        raise SlurmParseError(
+            f"sacct time {value!r} is unreadable in line {_snippet(line)}"
+        ) from None
+
+
+def alloc_gpus(tres: str) -> int | None:
+    """GPUs in an AllocTRES string: `gres/gpu=N`, else the sum of typed `gres/gpu:TYPE=N`
+    (Slurm lists both when GPUs have types); None when the TRES has no GPU entry (the site's
+    AccountingStorageTRES lacks gres/gpu) or the string is empty."""
+    total, typed, seen = None, 0, False
+    for part in tres.split(","):
+        key, _, count = part.strip().partition("=")
+        if not count.strip().isdigit():
+            continue
+        if key == "gres/gpu":
+            total = int(count)
+        elif key.startswith("gres/gpu:"):
+            typed += int(count)
+            seen = True
+    if total is not None:
+        return total
+    return typed if seen else None
+
+
+def parse_sacct(text: str) -> list[AccountedJob]:
+    """`sacct --parsable2 --noheader --format=<SACCT_FIELDS>` output -> jobs (steps skipped:
+    the client passes --allocations, and an id like 123.batch is dropped here too)."""
+    jobs = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|", len(SACCT_FIELDS) - 1)
+        if len(parts) != len(SACCT_FIELDS):
+            raise SlurmParseError(
+                f"sacct line has {len(parts)} fields, not {len(SACCT_FIELDS)}: {_snippet(line)}"
+            )
+        job_id, partition, state, start, end, tres, nodes, name = parts
+        if not job_id.strip().isdigit():
+            if "." in job_id or "_" in job_id:  # a step, or an array task's other form
+                continue
+            raise SlurmParseError(f"sacct job id {job_id!r} is not a number: {_snippet(line)}")
+        jobs.append(
+            AccountedJob(
+                job_id=int(job_id),
+                name=name,
+                partition=partition.strip(),
+                # "CANCELLED by 0": the state is the first word
+                state=JobState.parse((state.split() or ["UNKNOWN"])[0]),
+                start=_sacct_time(start, line),
+                end=_sacct_time(end, line),
+                gpus=alloc_gpus(tres),
+                nodes=int(nodes) if nodes.strip().isdigit() else 0,
+            )
+        )
+    return jobs
+
+
 __all__ = [
+    "SACCT_FIELDS",
     "YEAR_MINUTES",
+    "AccountedJob",
     "JobState",
     "SlurmJob",
     "SlurmNode",
     "SlurmParseError",
     "SqueueSnapshot",
+    "alloc_gpus",
     "expand_hostlist",
     "parse_release",
+    "parse_sacct",
     "parse_sbatch_parsable",
     "parse_scontrol_show_node_json",
     "parse_squeue_json",

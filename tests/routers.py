@@ -29,6 +29,9 @@ def loopback_router_config(**overrides: Any) -> RouterConfig:
         "lease_s": 5.0,
         "heartbeat_s": 0.25,
         "metrics_port": 0,
+        # Plain unless the test gives keys: it runs as one user on loopback (the default,
+        # CURVE, is tested with curve_dir in test_router_curve.py and test_routing_curve.py).
+        "allow_plain_loopback": not overrides.get("curve_dir"),
         **overrides,
     }
     return RouterConfig(**settings)

@@ -82,7 +82,9 @@ def gateways(
             config = parse_config({
                 "router": {"registry_bind": router.registry_bind,
                            "routing_bind": router.routing_bind,
-                           "lease_s": router.lease_s, "heartbeat_s": router.heartbeat_s},
+                           "lease_s": router.lease_s, "heartbeat_s": router.heartbeat_s,
+                           "curve_dir": router.curve_dir,
+                           "allow_plain_loopback": router.allow_plain_loopback},
                 "gateway": {**gateway, "port": port},
                 "pools": [{"name": model, "model_path": "/nonexistent", "engine": "sim"}],
             })  # fmt: skip

@@ -70,6 +70,14 @@ DASHBOARDS: dict[str, tuple[str, list[str], list[Panel]]] = {
             ]),
             ("Preemptions per second", "ops", [("{{model_name}}", f"sum by (model_name) (rate(vllm:num_preemptions_total{{{VM}}}[5m]))")]),
             ("Prompt tokens the router found cached", "percentunit", [("{{model}}", f"sum by (model) (rate(hpcserve_router_cached_prompt_tokens_total{{{M}}}[5m])) / sum by (model) (rate(hpcserve_router_prompt_tokens_total{{{M}}}[5m]))")]),
+            # Online quality per deployment (gateway/quality.py): model asked for x version.
+            ("Deployment quality by version (share of answers; JSON: of structured ones)", "percentunit", [
+                (f"{{{{model}}}} {{{{version}}}} {what}", f"sum by (model, version) (rate(hpcserve_gateway_deployment_{num}_total{{{M}}}[5m])) / sum by (model, version) (rate(hpcserve_gateway_deployment_{den}_total{{{M}}}[5m]))")
+                for what, num, den in (("errors", "errors", "answers"), ("truncated", "truncations", "answers"),
+                                       ("refusals", "refusals", "answers"), ("invalid JSON", "structured_invalid", "structured"))
+            ]),
+            ("Staged rollouts: share to the new version", "percent", [("{{alias}}", "hpcserve_rollout_share_percent")]),
+            ("Numerical canary checks per hour by version and result", "short", [("{{model_ref}} {{stage}} {{result}}", "sum by (model_ref, stage, result) (increase(hpcserve_router_canary_checks_total[1h]))")]),
         ],
     ),
     "hpcserve-tenants": (
@@ -108,6 +116,15 @@ DASHBOARDS: dict[str, tuple[str, list[str], list[Panel]]] = {
                 ("{{pool}} target", f"hpcserve_poolmgr_autoscale_target{{{P}}}"),
                 ("{{pool}} {{direction}} per hour", f"sum by (pool, direction) (increase(hpcserve_poolmgr_autoscale_decisions_total{{{P}}}[1h]))"),
             ]),
+            # Autoscaled pools (issue 19): the SLO they hold, the cold start they scale ahead
+            # by, the forecast, and requests held while a pool at zero wakes.
+            ("Autoscaled pools: TTFT/TPOT p95 against the SLO", "s", [
+                ("{{pool}} {{slo}} p95 {{window}}", f"max by (pool, slo, window) (hpcserve_poolmgr_autoscale_slo_p95_seconds{{{P}}})"),
+                ("{{pool}} {{slo}} SLO", f"max by (pool, slo) (hpcserve_poolmgr_autoscale_slo_objective_seconds{{{P}}})"),
+            ]),
+            ("Autoscaled pools: measured cold start (queue, startup medians; total p90)", "s", [("{{pool}} {{part}}", f"max by (pool, part) (hpcserve_poolmgr_cold_start_seconds{{{P}}})")]),
+            ("Autoscaled pools: arrivals now and forecast one cold start ahead", "reqps", [("{{pool}} {{kind}}", f"max by (pool, kind) (hpcserve_poolmgr_autoscale_rate_rps{{{P}}})")]),
+            ("Requests held while a pool wakes from zero, per hour (timeout: answered 503)", "short", [("{{model}} {{outcome}}", "sum by (model, outcome) (increase(hpcserve_gateway_wake_holds_total[1h]))")]),
         ],
     ),
     "hpcserve-batch": (
@@ -120,6 +137,18 @@ DASHBOARDS: dict[str, tuple[str, list[str], list[Panel]]] = {
             ("Batch tokens per second", "short", [("{{kind}}", "sum by (kind) (rate(hpcserve_batch_tokens_total[5m]))")]),
             ("Batch requests in flight", "short", [("in flight", "sum(hpcserve_batch_in_flight)")]),
             ("Time to empty the backlog at the current rate", "s", [("{{pool}}", f'hpcserve_poolmgr_batch_backlog_requests{{{P}}} / scalar(sum(rate(hpcserve_batch_requests_total{{outcome="ok"}}[15m])))')]),
+        ],
+    ),
+    "hpcserve-cost": (
+        "hpcserve / cost",
+        ["pool", "model", "tenant"],
+        [
+            ("GPU cost per hour by pool (cost.gpu_hour_price)", "currencyUSD", [("{{pool}}", f"pool:hpcserve_gpu_cost_per_hour{{{P}}}")]),
+            ("Cost per million tokens (last hour's tokens)", "currencyUSD", [("{{model}}", f"model:hpcserve_cost_per_million_tokens:rate1h{{{M}}}")]),
+            ("GPUs held by running jobs", "short", [("{{pool}}", f"hpcserve_poolmgr_pool_gpus{{{P}}}")]),
+            ("Idle GPUs (no request running on the replica)", "short", [("{{model}}", f"model:hpcserve_idle_gpus{{{M}}}")]),
+            ("Idle GPU-hours in the last 24 h", "short", [("{{model}}", f"avg_over_time(model:hpcserve_idle_gpus{{{M}}}[24h]) * 24")]),
+            ("Token share by tenant, last 24 h (chargeback)", "percentunit", [("{{tenant}}", f"sum by (tenant) (increase(hpcserve_gateway_tokens_total{{{T}}}[24h])) / scalar(sum(increase(hpcserve_gateway_tokens_total[24h])))")]),
         ],
     ),
 }

@@ -7,7 +7,7 @@ batch store, the runner lock (lock.py, role "process": gateways in "standby" han
 over), a routing client to the router (batch priority, the same prefix hints), an HTTP
 client to the engines, a share of the tenants' `batch_tokens_per_min` (its own quota
 gate, synced through the router's quota book like a gateway's) and its own /metrics on
-`batch.metrics_port`.
+`batch.metrics_port` (behind the metrics token, contracts/metrics_http.py).
 
 New batches: the gateways write them to the store; the runner reads the store's active
 batches every second (`runner.POLL_S`), one indexed SQLite query, which also brings
@@ -29,7 +29,9 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter
 
 from hpcserve.config import PlatformConfig
+from hpcserve.contracts.curve import ensure_keys
 from hpcserve.contracts.engine_token import ensure_token
+from hpcserve.contracts.metrics_http import start_metrics_server
 from hpcserve.contracts.private_files import private_dir
 from hpcserve.contracts.zmtp_curve import routing_client_keys
 from hpcserve.gateway.batch.execute import RoutedExecutor
@@ -41,6 +43,7 @@ from hpcserve.gateway.quota import QuotaGate, keep_quota_synced
 from hpcserve.gateway.relay import Relay
 from hpcserve.gateway.route_hints import route_hints_for
 from hpcserve.gateway.routing_client import RoutingClient
+from hpcserve.gateway.usage_log import UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,7 @@ class RunnerProcess:
         )
         self.store: BatchStore | None = None
         self.runner: BatchRunner | None = None
+        self.usage = UsageLog(config.usage_dir(), "batch")
         self._quota_sync: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -96,6 +100,7 @@ class RunnerProcess:
             model_loads=loads_from(self.routing),
             quota=self.quota,
             lock=RunnerLock(self.store.root, "process", name="batch-runner"),
+            usage=self.usage,
         )
         if any(t.batch_tokens_per_min for t in tenants.values()):
             self._quota_sync = asyncio.create_task(
@@ -121,6 +126,7 @@ class RunnerProcess:
         await self.routing.close()
         if self.store is not None:
             self.store.close()
+        self.usage.close()
 
 
 async def serve(config: PlatformConfig, registry: CollectorRegistry) -> None:
@@ -145,11 +151,11 @@ async def serve(config: PlatformConfig, registry: CollectorRegistry) -> None:
 
 def run_batch_runner(config: PlatformConfig) -> int:
     registry = CollectorRegistry()
+    ensure_keys(config.router.curve_dir, config.state_dir)  # <state_dir>/curve's, if absent
     if config.batch.metrics_port:
-        from prometheus_client import start_http_server
-
-        try:
-            start_http_server(config.batch.metrics_port, addr="127.0.0.1", registry=registry)
+        token = ensure_token(config.metrics_token_path())
+        try:  # behind the metrics token, like the gateway's /metrics
+            start_metrics_server(config.batch.metrics_port, registry, token)
         except OSError as err:
             log.error("batch.metrics_port %d: %s", config.batch.metrics_port, err.strerror)
             return 2

@@ -33,6 +33,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from hpcserve.config import BatchConfig, TenantConfig
+from hpcserve.contracts.usage import UsageRecord
 from hpcserve.gateway.batch.concurrency import ADAPT_S
 from hpcserve.gateway.batch.execute import EngineReply, Executor, NoReplica, ReplicaFailed
 from hpcserve.gateway.batch.limiter import BatchTokens
@@ -41,6 +42,7 @@ from hpcserve.gateway.batch.slots import ModelLoad, ModelSlots, PoolSlots
 from hpcserve.gateway.batch.store import ACTIVE, BatchError, BatchRecord, BatchStore, Result
 from hpcserve.gateway.batch.validate import RequestLine, request_line_decoder
 from hpcserve.gateway.quota import QuotaGate
+from hpcserve.gateway.usage_log import UsageLog
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +313,20 @@ class BatchJob:
         finally:
             lines.close()
 
+    def _usage(self, started: float, model: str, reply: EngineReply, result: Result) -> UsageRecord:
+        return UsageRecord(
+            start=round(started, 3),
+            end=round(time.time(), 3),
+            tenant=self.record.tenant,
+            model=model,
+            prompt_tokens=result.input_tokens,
+            completion_tokens=result.output_tokens,
+            status=reply.status_code,
+            replica=reply.replica_id,
+            request_id=result.request_id,
+            source="batch",
+        )
+
     async def _one(self, number: int, request: RequestLine, model: str, slots: ModelSlots) -> None:
         runner = self.runner
         request_id = f"req_{secrets.token_hex(12)}"
@@ -323,6 +339,7 @@ class BatchJob:
             while result is None:
                 try:
                     runner.metrics.in_flight.inc()
+                    started = time.time()
                     try:
                         reply = await runner.executor.execute(
                             model, request.url, body, request_id, exclude=exclude, hints=hints
@@ -330,6 +347,10 @@ class BatchJob:
                     finally:
                         runner.metrics.in_flight.dec()
                     result = result_of(number, request.custom_id, request_id, reply)
+                    if runner.usage is not None and reply.replica_id:
+                        # Before the result is stored: a crash in between runs the line
+                        # again, and the engines did that work twice.
+                        runner.usage.write(self._usage(started, model, reply, result))
                 except NoReplica:
                     if exclude:  # only replicas that failed it are left: try them again
                         exclude = []
@@ -441,8 +462,11 @@ class BatchRunner:
         model_loads: Callable[[], Awaitable[dict[str, ModelLoad]]] | None = None,
         quota: QuotaGate | None = None,
         lock: RunnerLock | None = None,
+        usage: UsageLog | None = None,
     ) -> None:
+        """usage: where each answered line's usage record goes (contracts/usage.py)."""
         self.store = store
+        self.usage = usage
         self.lock = lock or RunnerLock(store.root, "gateway", name="gateway")
         self.executor = executor
         self.config = config

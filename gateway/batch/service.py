@@ -16,6 +16,7 @@ from hpcserve.gateway.batch.lock import LockRole, RunnerLock
 from hpcserve.gateway.batch.runner import BatchMetrics, BatchRunner
 from hpcserve.gateway.batch.slots import ModelLoad, model_loads
 from hpcserve.gateway.batch.store import BatchStore
+from hpcserve.gateway.usage_log import UsageLog
 
 if TYPE_CHECKING:
     from hpcserve.gateway.app import Gateway
@@ -44,6 +45,7 @@ class BatchService:
         self.root = root
         self._store: BatchStore | None = None
         self._runner: BatchRunner | None = None
+        self._usage: UsageLog | None = None
 
     @property
     def store(self) -> BatchStore:
@@ -57,6 +59,8 @@ class BatchService:
 
     async def start(self, gateway: Gateway) -> None:
         self._store = await asyncio.to_thread(BatchStore, self.root)
+        if gateway.config.usage_dir:
+            self._usage = UsageLog(gateway.config.usage_dir, "batch")
         executor = RoutedExecutor(
             gateway.routing,
             gateway.relay,
@@ -74,6 +78,7 @@ class BatchService:
             lock=RunnerLock(
                 self._store.root, GATEWAY_LOCK_ROLE[self.config.runner], name="gateway"
             ),
+            usage=self._usage,
         )
         await self._runner.start()
 
@@ -82,3 +87,5 @@ class BatchService:
             await self._runner.close()
         if self._store is not None:
             self._store.close()
+        if self._usage is not None:
+            self._usage.close()

@@ -8,6 +8,8 @@
         [--gpu-hour-usd 2.5] [--utilisation 0.6] [--api-usd-per-m-input X --api-usd-per-m-output Y]
         [--batch-docs N --batch-input-tokens I --batch-output-tokens O [--batch-window-h H]]
         [--batch B] [--calibrate FILE] [--json]
+        [--pd [--pd-mix P:O:S,...] [--pd-link nvlink|ib|roce|ethernet] [--pd-link-gb-s X]
+         [--pd-link-latency-us US] [--pd-per-token]]
 
 Prints a table (or the report as JSON with ``--json``); bad input prints
 ``hpcserve plan: error: ...`` naming the flag and exits 2. docs/planner.md has the formulas.
@@ -25,6 +27,7 @@ from hpcserve.planner.dtypes import KV_DTYPES, WEIGHTS_DTYPES
 from hpcserve.planner.errors import PlanError
 from hpcserve.planner.gpus import GPUS
 from hpcserve.planner.models import MODELS
+from hpcserve.planner.pd import LINKS
 from hpcserve.planner.plan import plan
 from hpcserve.planner.request import PlanRequest
 from hpcserve.planner.table import format_report
@@ -71,6 +74,7 @@ def add_plan_parser(subparsers: Any) -> None:
     _replica_flags(p.add_argument_group("model and replica"))
     _workload_flags(p.add_argument_group("workload and SLO (give one workload, or none)"))
     _cost_flags(p.add_argument_group("fleet, batch job and money"))
+    _pd_flags(p.add_argument_group("disaggregated prefill/decode (--pd)"))
     p.add_argument("--calibrate", metavar="FILE", help="measured throughput (docs/planner.md)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_plan)
@@ -114,3 +118,25 @@ def _cost_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--batch-input-tokens", type=int, metavar="I", help="per document")
     g.add_argument("--batch-output-tokens", type=int, metavar="O", help="per document")
     g.add_argument("--batch-window-h", type=float, metavar="H")
+
+
+def _pd_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--pd",
+        action="store_true",
+        help="compare PD pools with colocated replicas on the same GPUs (--gpus, else the "
+        "fleet's); propose the prefill:decode ratio",
+    )
+    g.add_argument(
+        "--pd-mix",
+        metavar="P:O:S,...",
+        help="request classes: prompt:output:share (default: the requests workload)",
+    )
+    g.add_argument("--pd-link", default="ib", help=f"{', '.join(LINKS)} (ib)")
+    g.add_argument("--pd-link-gb-s", type=float, metavar="GB/S", help="override its bandwidth")
+    g.add_argument("--pd-link-latency-us", type=float, metavar="US", help="per transfer")
+    g.add_argument(
+        "--pd-per-token",
+        action="store_true",
+        help="hold every token gap (ITL p95) to --tpot-slo-ms, not each request's mean",
+    )

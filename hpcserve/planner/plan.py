@@ -14,7 +14,7 @@ from typing import cast
 
 import msgspec
 
-from hpcserve.planner import sections
+from hpcserve.planner import pd_section, sections
 from hpcserve.planner.calibrate import (
     CalibratedModel,
     Calibration,
@@ -51,6 +51,7 @@ def plan(request: PlanRequest, factors: Factors | None = None) -> PlanReport:
         budget=sections.budget_report(setup),
         batch_job=sections.batch_job_report(setup),
         warnings=setup.warnings,
+        pd=pd_section.pd_report(setup, fleet),
     )
 
 

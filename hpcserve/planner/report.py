@@ -13,6 +13,7 @@ from hpcserve.planner.economics import Economics
 from hpcserve.planner.factors import Factors
 from hpcserve.planner.fleet import BatchJob, FleetSize
 from hpcserve.planner.gpus import GPUSpec
+from hpcserve.planner.pd import Link, PDComparison, Shape
 from hpcserve.planner.request import PlanRequest
 
 NOTE = (
@@ -126,6 +127,22 @@ class EconomicsReport(msgspec.Struct, frozen=True):
     wrong_if: list[str]
 
 
+class PDReport(msgspec.Struct, frozen=True):
+    """Disaggregated prefill/decode vs colocated replicas on the same GPUs (pd.py)."""
+
+    gpus: int
+    replicas: int  # of TP GPUs each
+    mix: list[Shape]
+    link: Link
+    kv_bytes_per_token: float  # whole model, the bytes a prompt token's KV moves
+    comparison: PDComparison
+    ratio: str  # the proposed prefill:decode split, e.g. "5:3"
+    verdict: str
+    demand_rps: float | None  # the requests workload's rate, if given
+    basis: str
+    wrong_if: list[str]
+
+
 class PlanReport(msgspec.Struct, frozen=True):
     request: PlanRequest
     model: ModelInfo
@@ -140,3 +157,4 @@ class PlanReport(msgspec.Struct, frozen=True):
     warnings: list[str] = msgspec.field(default_factory=list)
     estimate: bool = True
     note: str = NOTE
+    pd: PDReport | None = None

@@ -36,6 +36,7 @@ _POSITIVE_FLOATS = (
     "api_usd_per_m_input",
     "api_usd_per_m_output",
     "batch_window_h",
+    "pd_link_gb_s",
 )
 _STREAMS = ("concurrent_streams", "tokens_per_s_each")
 _REQUESTS = ("requests_per_s", "prompt_tokens", "output_tokens")
@@ -78,10 +79,18 @@ class PlanRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch_output_tokens: int | None = None
     batch_window_h: float | None = None
     calibrate: str | None = None  # path of a calibration file
+    # Disaggregated prefill/decode (pd.py): compare with colocated replicas on the same GPUs.
+    pd: bool = False
+    pd_mix: str | None = None  # PROMPT:OUTPUT:SHARE,... (default: the requests workload)
+    pd_link: str = "ib"  # a preset of pd.LINKS
+    pd_link_gb_s: float | None = None  # override the preset's bandwidth
+    pd_link_latency_us: float | None = None  # override the preset's per-transfer latency
+    pd_per_token: bool = False  # TPOT SLO on every token gap (ITL p95), not a request's mean
 
     def __post_init__(self) -> None:
         _check_ranges(self)
         _check_workloads(self)
+        _check_pd(self)
 
     @property
     def mode(self) -> str:
@@ -148,6 +157,25 @@ def _check_workloads(req: PlanRequest) -> None:
         raise PlanError(
             f"--batch-input-tokens + --batch-output-tokens: {job[1]} + {job[2]} exceeds "
             f"--context {req.context}"
+        )
+
+
+def _check_pd(req: PlanRequest) -> None:
+    given = [f for f in ("pd_mix", "pd_link_gb_s", "pd_link_latency_us") if getattr(req, f)]
+    if not req.pd:
+        if given or req.pd_per_token:
+            name = flag(given[0]) if given else "--pd-per-token"
+            raise PlanError(f"{name}: only with --pd")
+        return
+    if req.pd_link_latency_us is not None and req.pd_link_latency_us < 0:
+        raise PlanError(f"--pd-link-latency-us: must be >= 0, got {req.pd_link_latency_us}")
+    missing = [flag(f) for f in ("ttft_slo_ms", "tpot_slo_ms") if getattr(req, f) is None]
+    if missing:
+        raise PlanError(f"--pd: needs {' and '.join(missing)} (goodput is counted within the SLO)")
+    if req.pd_mix is None and req.request_shape is None:
+        raise PlanError(
+            "--pd: needs a request mix: --pd-mix, or --requests-per-s with --prompt-tokens and "
+            "--output-tokens"
         )
 
 

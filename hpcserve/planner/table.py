@@ -13,6 +13,7 @@ from hpcserve.planner.report import (
     EconomicsReport,
     FleetReport,
     MemoryReport,
+    PDReport,
     PerformanceReport,
     PlanReport,
 )
@@ -221,6 +222,38 @@ def _batch_job(report: BatchJobReport) -> list[str]:
     return lines
 
 
+def _pd(report: PDReport) -> list[str]:
+    c = report.comparison
+    mix = ", ".join(f"{s.share:.0%} {s.prompt:,}->{s.output:,}" for s in report.mix)
+    tpot = "every token gap (ITL p95)" if c.per_token else "each request's mean (TPOT p95)"
+    transfer = ", ".join(f"{ms:,.1f}" for ms in c.transfer_ms)
+    lines = [
+        f"Disaggregated prefill/decode on {report.gpus} GPUs ({report.replicas} replicas)",
+        _row("mix (prompt->output)", mix),
+        _row(
+            "KV transfer",
+            f"{transfer} ms per prompt",
+            f"{report.link.name}, {report.kv_bytes_per_token / 1024:,.0f} KiB/token",
+        ),
+        _row("TPOT SLO read as", tpot),
+        _row("colocated goodput", f"{c.colocated_rps:,.2f} requests/s"),
+        _row(
+            f"PD goodput at {report.ratio}",
+            f"{c.pd_rps:,.2f} requests/s",
+            f"{c.gain:+.0%}" if c.colocated_rps > 0 else "",
+        ),
+        _row(
+            "splits (p:d rps)",
+            " ".join(f"{s.prefill}:{s.decode}={s.goodput_rps:,.1f}" for s in c.splits),
+        ),
+    ]
+    if report.demand_rps is not None:
+        best = max(c.colocated_rps, c.pd_rps)
+        met = "met" if best >= report.demand_rps else "NOT met by either layout"
+        lines.append(_row("demand", f"{report.demand_rps:,g} requests/s", met))
+    return [*lines, *_wrap(report.verdict, "  ", "  => ")]
+
+
 def _economics(econ: EconomicsReport) -> list[str]:
     c = econ.costs
     price = f"${c.gpu_hour_usd:g}/GPU-hour" + (" (placeholder)" if econ.placeholder_price else "")
@@ -247,6 +280,7 @@ def _caveats(report: PlanReport) -> list[str]:
         ("throughput", report.performance.wrong_if),
         ("fleet", report.fleet.wrong_if if report.fleet else []),
         ("batch job", report.batch_job.wrong_if if report.batch_job else []),
+        ("PD", report.pd.wrong_if if report.pd else []),
         ("economics", report.economics.wrong_if),
     ]
     for name, notes in sections:
@@ -269,6 +303,8 @@ def format_report(report: PlanReport) -> str:
         blocks.append(_budget(report.budget))
     if report.batch_job:
         blocks.append(_batch_job(report.batch_job))
+    if report.pd:
+        blocks.append(_pd(report.pd))
     blocks.append(_economics(report.economics))
     if report.warnings:
         warnings = [line for w in report.warnings for line in _wrap(w, "    ", "  ! ")]

@@ -7,6 +7,7 @@ import random
 from hpcserve.config import RoutingConfig
 from hpcserve.router.policies.base import Filter, LowestCost, Policy, RoundRobin, Weighted
 from hpcserve.router.policies.filters import BatchYields, Routable, ServesAdapter
+from hpcserve.router.policies.pd_roles import PdRoles
 from hpcserve.router.policies.pool_roles import PoolRoles
 from hpcserve.router.policies.scorers import KvPressure, Load, NewPrefill
 
@@ -17,6 +18,7 @@ def build_policy(config: RoutingConfig, rng: random.Random | None = None) -> Pol
         ServesAdapter(),
         PoolRoles(config.batch_lend_below),
         BatchYields(),
+        PdRoles(),
     ]
     if config.policy == "round-robin":
         return Policy("round-robin", filters, [], RoundRobin())

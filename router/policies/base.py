@@ -36,6 +36,9 @@ class RouteRequest:
     adapter: str = ""
     priority: str = "interactive"
     session_key: str = ""
+    # "prefill": the prefill step of a disaggregated request (policies/pd_roles.py); "": any
+    # other pick.
+    phase: str = ""
 
 
 @dataclass

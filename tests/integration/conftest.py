@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +77,12 @@ def engine(router: RouterServer) -> Iterator[subprocess.Popen[str]]:
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+@pytest.fixture
+def short_state_dir() -> Iterator[Path]:
+    """A state dir near /: slurmd's socket paths under it must stay within 107 bytes, which
+    pytest's tmp_path (.../pytest-of-root/pytest-NNN/<test name>/) can exceed."""
+    where = Path(tempfile.mkdtemp(prefix="hpt-"))
+    yield where / "state"
+    shutil.rmtree(where, ignore_errors=True)

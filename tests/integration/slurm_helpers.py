@@ -118,6 +118,7 @@ def cluster_config(
             "routing_bind": router.config.routing_bind,
             "lease_s": router.config.lease_s,
             "heartbeat_s": router.config.heartbeat_s,
+            "allow_plain_loopback": True,  # the test's own router in this process: plain
         },
         "slurm": {
             "conf": str(cluster.conf_path),

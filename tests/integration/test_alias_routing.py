@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 from hpcserve.config import ApiKey, GatewayConfig, TenantConfig, hash_api_key
 from hpcserve.contracts import protocol as p
 from hpcserve.gateway.app import Gateway, build_app
+from hpcserve.modelcache.evaluations import Evaluation
 from hpcserve.modelcache.registry import Registry as ModelRegistry
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
@@ -35,7 +36,13 @@ TENANTS = [
 
 @pytest.fixture(scope="module")
 def registry_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return alias_registry(tmp_path_factory.mktemp("alias-registry"))
+    path = alias_registry(tmp_path_factory.mktemp("alias-registry"))
+    with ModelRegistry(path) as reg:  # `models promote` moves traffic only past the gate
+        reg.record_evaluation(
+            Evaluation(ref="docs@2", suite="routing", suite_digest="0" * 64, suite_path="-",
+                       cases=1, scores={"ok": 100.0}, key_metrics=["ok"], passed=True)
+        )  # fmt: skip
+    return path
 
 
 @pytest.fixture(scope="module")

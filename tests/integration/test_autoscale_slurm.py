@@ -15,22 +15,27 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
+import msgspec
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
-from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
+from hpcserve.config import ApiKey, GatewayConfig, PlatformConfig, dump_config, hash_api_key
 from hpcserve.contracts.engine_token import read_token
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
+from hpcserve.poolmgr.cold_start import ColdStarts
 from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.poolmgr.state_files import read_status
+from hpcserve.ports import free_port
 from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.slurm.parse import JobState, SlurmJob
 from tests.integration.slurm_helpers import cluster_config, wait_for
+from tests.services import gateway_argv, service
 
 pytestmark = pytest.mark.slurm
 
@@ -156,3 +161,137 @@ def test_a_burst_scales_up_and_idle_scales_down_through_drain_without_failing_a_
 
     assert (decisions("up"), decisions("down")) == (1, 2), history
     assert registry.get_sample_value("hpcserve_poolmgr_autoscale_target", {"pool": "p"}) == 1
+
+
+ZERO_POOL = {
+    "model_path": "/nonexistent",
+    "engine": "sim",
+    "replicas": 0,  # it starts asleep
+    "engine_args": ["--decode-ms-per-token", "5"],
+    # idle_s: long enough that the demand of a request answered 503 is still fresh at the
+    # next poll of a loaded machine; the hold budget: far above a sim job's cold start here.
+    "autoscale": {"min": 0, "max": 1, "idle_s": 10, "scale_down_cooldown_s": 0,
+                  "wake_budget_s": 120},
+}  # fmt: skip
+
+
+class Polling:
+    """The pool manager's loop in a thread, as `hpcserve poolmgr` runs it; pausable."""
+
+    def __init__(self, manager: PoolManager) -> None:
+        self.manager = manager
+        self.on = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="poolmgr", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.3):
+            if self.on.is_set():
+                self.manager.poll_once()
+
+    def __enter__(self) -> Polling:
+        self.on.set()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_zero(
+    cluster: LocalSlurm,
+    slurm: SlurmCLI,
+    router: RouterServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
+
+    def with_gateway(config: PlatformConfig) -> PlatformConfig:
+        keys = [ApiKey(tenant="t", sha256=hash_api_key(KEY))]
+        gateway = msgspec.structs.replace(config.gateway, api_keys=keys, port=free_port())
+        return msgspec.structs.replace(config, gateway=gateway)
+
+    config = with_gateway(cluster_config(cluster, router, tmp_path, "zero", ZERO_POOL))
+    # A second gateway whose hold budget is 1 s: past it, 503 with Retry-After.
+    short_pool = {**ZERO_POOL, "autoscale": {**ZERO_POOL["autoscale"], "wake_budget_s": 1}}
+    short = with_gateway(cluster_config(cluster, router, tmp_path, "zero", short_pool))
+    (tmp_path / "gw.toml").write_text(dump_config(config))
+    (tmp_path / "gw-short.toml").write_text(dump_config(short))
+    manager = PoolManager(config, slurm, metrics_registry=CollectorRegistry())
+
+    def ours() -> list[SlurmJob]:
+        return [j for j in slurm.jobs(name_prefix="zero-").jobs if j.name == "zero-p"]
+
+    def autoscale_status() -> Any:
+        status = read_status(tmp_path)
+        return status.pools[0].autoscale if status is not None else None
+
+    def reason_starts(prefix: str) -> Callable[[], bool]:
+        return lambda: (
+            (auto := autoscale_status()) is not None and auto.last_reason.startswith(prefix)
+        )
+
+    url = f"http://127.0.0.1:{config.gateway.port}"
+    short_url = f"http://127.0.0.1:{short.gateway.port}"
+    with (
+        service(gateway_argv(tmp_path / "gw.toml"), url),
+        service(gateway_argv(tmp_path / "gw-short.toml"), short_url),
+        Polling(manager) as polling,
+    ):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        wait_for("the pool manager at zero", lambda: autoscale_status() is not None)
+        auto = autoscale_status()
+        assert (auto.target, auto.now) == (0, "at zero: no request since it scaled to zero")
+        assert ours() == []
+        # /v1/models still lists the model, with no replica.
+        listed = [(m.id, (m.model_extra or {}).get("replicas")) for m in client.models.list().data]
+        assert listed == [("p", 0)]
+        # The first request wakes it: held (a stream shows nothing until its first token)
+        # while Slurm starts a replica, then served.
+        stream = client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True
+        )
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text and chunks[-1].choices[-1].finish_reason == "length"
+        up = autoscale_status().last_reason
+        assert up.startswith("up 0->1: a request found no replica"), up
+        (job,) = ours()
+        # Its cold start, measured from this job (queue wait, then start-up until the router
+        # listed it), is in the status and kept in the state dir for the next start.
+        status = wait_for("the cold start measured", lambda: (s := read_status(tmp_path)) and
+                          s.pools[0].cold_start and s)  # fmt: skip
+        assert "p90 (median queue" in status.pools[0].cold_start and "1 job(s)" in (
+            status.pools[0].cold_start
+        )
+        assert ColdStarts(tmp_path).samples["p"][0].job_id == job.job_id
+        # The engine's TTFT histogram comes with its heartbeats (the SLO signal's source).
+        wait_for("the TTFT histogram on a heartbeat", lambda: any(
+            r.load.ttft is not None and r.load.ttft.total >= 1
+            for r in list_replicas(router.config.routing_bind) if r.pool == "p"))  # fmt: skip
+        # No request for idle_s: it drains back to zero (the job ends COMPLETED, not killed).
+        wait_for("scaled to zero", reason_starts("down 1->0: no request for "), timeout=120)
+        done = wait_for("the job drained", lambda: [j for j in ours() if not j.state.is_active])
+        assert [(j.job_id, j.state) for j in done] == [(job.job_id, JobState.COMPLETED)]
+        # With the pool manager paused, nothing can wake the pool within a budget of 1 s:
+        # 503, Retry-After, an OpenAI-style error body.
+        polling.on.clear()
+        reply = httpx.post(
+            short_url + "/v1/completions",
+            json={"model": "p", "prompt": "x", "max_tokens": 4},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        assert reply.status_code == 503, reply.text
+        assert reply.headers["retry-after"] == "5"
+        error = reply.json()["error"]
+        assert (error["code"], error["type"]) == ("model_starting", "server_error"), error
+        assert "was scaled to zero and is starting; no replica came within 1s" in error["message"]
+        # That request's demand wakes the pool at the next poll all the same.
+        polling.on.set()
+        wait_for("woken again", lambda: len(ours()) == 2, timeout=120)
+        assert reason_starts("up 0->1: ")()
+    history = "\n".join(r.getMessage() for r in caplog.records)
+    assert history.count("autoscale up 0->1") == 2 and history.count("autoscale down 1->0") == 1

@@ -22,6 +22,7 @@ import zmq
 from hpcserve.config import dump_config, hash_api_key, load_config, parse_config
 from hpcserve.contracts import protocol as p
 from hpcserve.contracts.router_client import list_models, list_replicas
+from hpcserve.contracts.usage import read_records
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
@@ -119,7 +120,8 @@ class GatewayProcess(ServiceProcess):
             "state_dir": str(state_dir),
             "router": {"registry_bind": router.config.registry_bind,
                        "routing_bind": router.config.routing_bind,
-                       "lease_s": router.config.lease_s, "heartbeat_s": router.config.heartbeat_s},
+                       "lease_s": router.config.lease_s, "heartbeat_s": router.config.heartbeat_s,
+                       "allow_plain_loopback": True},
             "gateway": {"port": self.port,
                         "api_keys": [{"tenant": "a", "sha256": hash_api_key(KEY_A)},
                                      {"tenant": "b", "sha256": hash_api_key(KEY_B)}],
@@ -179,11 +181,15 @@ class RunnerProcess(ServiceProcess):
         def up() -> bool:
             assert proc.poll() is None, self.log_path.read_text()
             try:
-                return httpx.get(self.metrics_url, timeout=1).status_code == 200
+                reply = httpx.get(self.metrics_url, timeout=1, headers=self.metrics_headers())
             except httpx.TransportError:
                 return False
+            return reply.status_code == 200
 
         wait_for("the batch runner process to serve /metrics", up, timeout=30)
+
+    def metrics_headers(self) -> dict[str, str]:
+        return metrics_headers(self.config_path)
 
 
 def parse_metrics_port(config_path: Path) -> int:
@@ -331,6 +337,11 @@ def test_the_openai_client_runs_a_batch_end_to_end(
     assert first_page.has_more
     assert [b.id for b in client.batches.list(limit=1, after=second.id).data] == [created.id]
     assert [b.id for b in client.batches.list(limit=1)] == [second.id, created.id]
+    # Each line's usage record, for `hpcserve report` (contracts/usage.py).
+    records = list(read_records(gateway.state_dir / "usage", 0, 4e9))
+    assert {(r.source, r.tenant, r.model) for r in records} == {("batch", "a", "sim")}
+    assert len(records) == 33 and sum(r.completion_tokens for r in records) == 33 * 4
+    assert all(r.replica and r.status == 200 for r in records)
     assert {f.id for f in client.files.list(purpose="batch")} >= {upload.id}
     # An input file that a finished batch used can be deleted.
     assert client.files.delete(upload.id).deleted
@@ -589,7 +600,7 @@ def test_a_runner_process_killed_mid_batch_resumes_without_losing_or_repeating_r
     assert sorted(o["custom_id"] for o in output) == sorted(f"req-{i}" for i in range(60))
     # Only what was in flight (sent, or answered and not yet stored) at the kill ran twice.
     assert 60 <= engine_requests(router, max_tokens=20) <= 60 + 1
-    assert metric(runner.metrics_url, "hpcserve_batch_runner_lock_held") == 1
+    assert metric(runner.metrics_url, "hpcserve_batch_runner_lock_held", runner.metrics_headers()) == 1
     assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held", gateway.metrics_headers()) == 0
     # `hpcserve batches` reads the same store.
     listing = subprocess.run(
@@ -621,7 +632,7 @@ def test_a_standby_gateway_hands_its_batch_to_a_runner_process_without_redoing_a
     runner = make_runner(gateway)
     wait_for(
         "the runner process to take the lock",
-        lambda: metric(runner.metrics_url, "hpcserve_batch_runner_lock_held") == 1,
+        lambda: metric(runner.metrics_url, "hpcserve_batch_runner_lock_held", runner.metrics_headers()) == 1,
         timeout=60,
     )
     assert metric(gateway.url + "/metrics", "hpcserve_batch_runner_lock_held", gateway.metrics_headers()) == 0

@@ -31,6 +31,7 @@ from hpcserve.config import (
     SlurmConfig,
     dump_config,
     hash_api_key,
+    with_default_curve_dir,
 )
 from hpcserve.contracts.engine_token import auth_headers, read_token
 from hpcserve.contracts.router_client import list_replicas
@@ -40,6 +41,7 @@ from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import conf_processes, free_port_block
 from tests.ports import free_port
 from tests.processes import job_cgroup_processes, processes_mentioning, session_processes
+from tests.services import metrics_headers
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -70,7 +72,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             metrics_port=free_port(),
         ),
         gateway=GatewayConfig(
-            port=free_port(), api_keys=[ApiKey(tenant="e2e", sha256=hash_api_key(API_KEY))]
+            port=free_port(),
+            api_keys=[ApiKey(tenant="e2e", sha256=hash_api_key(API_KEY))],
+            # One replica: hints are skipped by default (nothing to choose); the KV-routing
+            # test below checks their hashes against vLLM's own, so they are sent anyway.
+            prefix_hints_min_replicas=1,
         ),
         slurm=SlurmConfig(
             partition="gpu",
@@ -109,6 +115,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             ),
         ],
     )
+    config = with_default_curve_dir(config)  # CURVE in <state>/curve, as loading it gives
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(API_KEY + "\n")
     up = Stack(state, slurm_port=free_port_block())  # below the ephemeral range
@@ -728,7 +735,11 @@ def test_files_and_batches_are_listed_retrieved_and_deleted(client: openai.OpenA
 
 
 def _router_counter(config: PlatformConfig, name: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{config.router.metrics_port}/metrics", timeout=10).text
+    text = httpx.get(
+        f"http://127.0.0.1:{config.router.metrics_port}/metrics",
+        headers=metrics_headers(Path(config.state_dir) / "hpcserve.toml"),  # the metrics token
+        timeout=10,
+    ).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -812,7 +823,8 @@ def test_an_interactive_request_overtakes_queued_batch_requests_on_vllm(
     stack: tuple[Stack, PlatformConfig],
 ) -> None:
     _, config = stack
-    url = next(r.url for r in list_replicas(config.router.routing_bind) if r.model == MODEL)
+    replicas = list_replicas(config.router.routing_bind, curve_dir=config.router.curve_dir)
+    url = next(r.url for r in replicas if r.model == MODEL)
     # The pool's default scheduling policy is priority; 4 run at once, 8 batch requests wait.
     token = read_token(config.engine_token_path())
     order = asyncio.run(_first_token_order(url, batch=12, max_tokens=400, token=token))

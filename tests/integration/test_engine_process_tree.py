@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -265,15 +264,6 @@ def test_down_while_vllm_loads_leaves_nothing_with_the_local_launcher(
     assert stack._leftovers() == {}
     line = stopped_line(log.read_text())
     assert "not serving yet, nothing to drain" in line, line
-
-
-@pytest.fixture
-def short_state_dir() -> Iterator[Path]:
-    """A state dir near /: slurmd's socket paths under it must stay within 107 bytes, which
-    pytest's tmp_path (.../pytest-of-root/pytest-NNN/<test name>/) can exceed."""
-    where = Path(tempfile.mkdtemp(prefix="hpt-"))
-    yield where / "state"
-    shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.mark.slurm

@@ -232,7 +232,7 @@ def gateway_config(
     config = parse_config({
         "state_dir": str(state),
         "router": {"registry_bind": router.config.registry_bind,
-                   "routing_bind": router.config.routing_bind},
+                   "routing_bind": router.config.routing_bind, "allow_plain_loopback": True},
         "gateway": {"port": port, "audit_log": "",
                     "api_keys": [{"tenant": "team-a", "sha256": hash_api_key(KEYS["team-a"])}],
                     **gateway},

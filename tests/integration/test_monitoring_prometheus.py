@@ -46,7 +46,10 @@ NEEDS_AN_EVENT = {
     "hpcserve_batch_tokens_total": "no Batch API batch ran",
     "hpcserve_router_cached_prompt_tokens": "the sim pool has no tokenizer: no prefix hints",
     "autoscale": "no pool of this stack autoscales",
+    "hpcserve_gateway_wake_holds_total": "no pool of this stack scales to zero",
     "hpcserve_poolmgr_slurm_errors_total": "no Slurm command failed (the local launcher runs none)",
+    "hpcserve_rollout_": "no staged rollout ran (`hpcserve rollout start`)",
+    "hpcserve_router_canary_checks_total": "no golden record: simulated engines have no logprobs",
 }
 
 
@@ -103,6 +106,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
                 "scrape_targets_file": str(targets),
             },
             "batch": {"metrics_port": free_port()},
+            "cost": {"gpu_hour_price": 2.0},  # the cost dashboard's price
             "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
             "pools": [
                 {"name": "sim-chat", "model_path": "/nonexistent", "engine": "sim", "replicas": 2}
@@ -141,17 +145,21 @@ def prometheus(stack: dict[str, object], tmp_path_factory: pytest.TempPathFactor
                 # The gateway's /metrics names tenants: it asks for the metrics token.
                 "authorization": {"credentials_file": config.metrics_token_path()},
             },
+            # So do the router's, the pool manager's and the batch runner's.
             {
                 "job_name": "hpcserve-router",
                 "static_configs": [{"targets": [f"127.0.0.1:{config.router.metrics_port}"]}],
+                "authorization": {"credentials_file": config.metrics_token_path()},
             },
             {
                 "job_name": "hpcserve-poolmgr",
                 "static_configs": [{"targets": [f"127.0.0.1:{config.poolmgr.metrics_port}"]}],
+                "authorization": {"credentials_file": config.metrics_token_path()},
             },
             {
                 "job_name": "hpcserve-batch",
                 "static_configs": [{"targets": [f"127.0.0.1:{config.batch.metrics_port}"]}],
+                "authorization": {"credentials_file": config.metrics_token_path()},
             },
             {
                 "job_name": "hpcserve-engines",

@@ -11,13 +11,14 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
 
 from hpcserve.config import ApiKey, ExternalAPIConfig, GatewayConfig, TenantConfig, hash_api_key
-from hpcserve.contracts.router_client import list_models
+from hpcserve.contracts.router_client import list_models, replica_list
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
@@ -45,17 +46,25 @@ def auth(tenant: str) -> dict[str, str]:
     return {"Authorization": f"Bearer sk-{tenant}"}
 
 
-router_metrics = CollectorRegistry()
+@pytest.fixture
+def router_metrics() -> CollectorRegistry:
+    return CollectorRegistry()
 
 
 @pytest.fixture
-def router() -> Iterator[RouterServer]:
+def router(router_metrics: CollectorRegistry) -> Iterator[RouterServer]:
     with running_router(loopback_router_config(), metrics_registry=router_metrics) as server:
         yield server
 
 
 @pytest.fixture
 def slow_engine(router: RouterServer) -> Iterator[None]:
+    with engine_process(router):
+        yield
+
+
+@contextmanager
+def engine_process(router: RouterServer) -> Iterator[None]:
     """One replica that runs one request at a time, 20 ms per token, heartbeat every 0.25 s."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "hpcserve.cli", "engine", "--engine", "sim",
@@ -83,7 +92,11 @@ def external() -> Iterator[str]:
 
 
 def test_over_the_queue_budget_overflows_if_allowed_and_queues_if_data_resident(
-    router: RouterServer, slow_engine: None, external: str, monkeypatch: pytest.MonkeyPatch
+    router: RouterServer,
+    router_metrics: CollectorRegistry,
+    slow_engine: None,
+    external: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("EXT_KEY", "sk-external")
     config = GatewayConfig(
@@ -133,6 +146,56 @@ def test_over_the_queue_budget_overflows_if_allowed_and_queues_if_data_resident(
         # Idle again: the tenant that may overflow is served here.
         wait_for("the engine to report idle", lambda: replica.load.running == 0)
         assert post("bursty", 2)["model"] == MODEL
+
+
+def test_a_model_at_zero_overflows_if_allowed_else_is_held_until_served_or_503(
+    router: RouterServer,
+    router_metrics: CollectorRegistry,
+    external: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool scaled to zero (no replica; pools[].autoscale.min = 0): a tenant that may
+    overflow goes external at once; anyone else is held up to the wake budget, served when a
+    replica registers meanwhile, else answered 503 with Retry-After. Every one of their
+    Routes is unserved demand, which is what the pool manager wakes the pool on."""
+    monkeypatch.setenv("EXT_KEY", "sk-external")
+    config = GatewayConfig(
+        api_keys=[ApiKey(tenant=t.name, sha256=hash_api_key(f"sk-{t.name}")) for t in TENANTS],
+        tenants=TENANTS,
+        overflow=ExternalAPIConfig(
+            base_url=external + "/v1", api_key_env="EXT_KEY", models={MODEL: "ext-model"}
+        ),
+    )
+
+    def gateway(budget_s: float) -> Gateway:
+        made = Gateway(
+            config, routing_endpoint=router.config.routing_bind, configured_models={MODEL}
+        )
+        made.wake_budgets = {MODEL: budget_s}  # as gateway/server.py sets it from the pools
+        return made
+
+    with TestClient(build_app(gateway(0.5))) as client:
+        overflowed = client.post("/v1/chat/completions", json=chat(2), headers=auth("bursty"))
+        assert overflowed.status_code == 200 and overflowed.json()["model"] == "ext-model"
+        assert MODEL in replica_list(router.config.routing_bind).unserved
+        refused = client.post("/v1/chat/completions", json=chat(2), headers=auth("resident"))
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"]["code"] == "model_starting"
+        holds = 'hpcserve_gateway_wake_holds_total{model="tiny",outcome="timeout"}'
+        assert metric(client, holds) == 1
+    with TestClient(build_app(gateway(120))) as client, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(client.post, "/v1/chat/completions", json=chat(2), headers=auth("open"))
+        routes = 'hpcserve_router_routes_total{outcome="no_replica"}'
+        before = sample(generate_latest(router_metrics).decode(), routes)
+        wait_for(
+            "the held request to ask again",
+            lambda: sample(generate_latest(router_metrics).decode(), routes) >= before + 2,
+        )
+        assert not held.done()
+        with engine_process(router):
+            reply = held.result(timeout=120)
+            assert reply.status_code == 200 and reply.json()["model"] == MODEL, reply.text
+        assert metric(client, holds.replace("timeout", "served")) == 1
 
 
 def sample(text: str, line_start: str) -> float:

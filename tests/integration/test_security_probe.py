@@ -35,6 +35,7 @@ from hpcserve.config import (
     SlurmConfig,
     dump_config,
     hash_api_key,
+    load_config,
 )
 from hpcserve.contracts.engine_token import auth_headers, read_token
 from hpcserve.contracts.private_files import write_private
@@ -73,7 +74,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             lease_s=6.0,
             heartbeat_s=1.0,
             metrics_port=free_port(),
-            curve_dir=str(state / "curve"),  # as `hpcserve up` has it (`up` makes the keys)
+            # No curve_dir: CURVE by default, keys made in <state>/curve (issue 18).
         ),
         gateway=GatewayConfig(
             port=free_port(),
@@ -103,6 +104,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
         ],
     )
     write_private(state / "hpcserve.toml", dump_config(config).encode())
+    config = load_config(state / "hpcserve.toml")  # what the services read: <state>/curve
     up = Stack(state, slurm_port=free_port_block())
     try:
         assert up.up(launcher="slurm", timeout_s=600) == 0, "hpcserve up failed (see output)"
@@ -185,6 +187,39 @@ def test_a_direct_call_to_the_engine_is_refused_for_another_user(
     )  # the router had the engine load it, with the token
     assert reply.model == ADAPTER
     assert httpx.get(url + "/health", timeout=30).status_code == 200  # open: no tenant data
+
+
+GET_AS_PROBE = """
+import sys, urllib.error, urllib.request
+for url in sys.argv[1:]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            print(url, resp.status, resp.read().decode()[:40].strip())
+    except urllib.error.HTTPError as err:
+        print(url, err.code, err.read().decode()[:40].strip())
+"""
+
+
+def test_the_control_planes_metrics_are_closed_to_another_user(
+    stack: tuple[Stack, PlatformConfig],
+) -> None:
+    _, config = stack
+    ports = (config.router.metrics_port, config.poolmgr.metrics_port)
+    urls = [f"http://127.0.0.1:{port}/{path}" for port in ports for path in ("metrics", "healthz")]
+    run = run_python_as(GET_AS_PROBE, *urls)
+    assert run.returncode == 0, run.stderr
+    answers = {line.split(" ", 1)[0]: line.split(" ", 2)[1:] for line in run.stdout.splitlines()}
+    for port in ports:
+        status, body = answers[f"http://127.0.0.1:{port}/metrics"]
+        assert status == "401" and "hpcserve_" not in body
+        assert answers[f"http://127.0.0.1:{port}/healthz"] == ["200", "ok"]
+    # The stack's own scraper, with the metrics token, reads them.
+    token = read_token(config.metrics_token_path())
+    for port in ports:
+        text = httpx.get(
+            f"http://127.0.0.1:{port}/metrics", headers=auth_headers(token), timeout=30
+        ).text
+        assert "hpcserve_metrics_auth_failures_total 1.0" in text
 
 
 def test_secrets_and_state_are_owner_only_and_unreadable_to_another_user(

@@ -131,6 +131,98 @@ def test_another_user_cannot_reach_vllms_kv_event_sockets(running: Running) -> N
     }
 
 
+def _tree(root: int) -> set[int]:
+    """`root` and every process descending from it (vLLM's API server, engine core, workers)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                raw = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(raw[raw.rfind(")") + 2 :].split()[1])
+    tree, grew = {root}, True
+    while grew:
+        more = {pid for pid, ppid in parents.items() if ppid in tree and pid not in tree}
+        tree |= more
+        grew = bool(more)
+    return tree
+
+
+def _socket_inodes(pids: set[int]) -> dict[int, int]:
+    """Socket inode -> the pid holding it, over `pids`' open files."""
+    held: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                held[int(target[8:-1])] = pid
+    return held
+
+
+def _listening(inodes: dict[int, int]) -> tuple[list[str], list[tuple[int, int]]]:
+    """The listening unix socket paths ("@name" for abstract ones) and TCP (port, pid) of
+    the given socket inodes, from /proc/net/{unix,tcp,tcp6}."""
+    unix = []
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        # Flags 00010000: accepting connections (listening).
+        if len(fields) >= 8 and int(fields[6]) in inodes and int(fields[3], 16) & 0x10000:
+            unix.append(fields[7])
+    tcp = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[9]) in inodes:  # LISTEN
+                tcp.append((int(fields[1].rsplit(":", 1)[1], 16), inodes[int(fields[9])]))
+    return unix, tcp
+
+
+CONNECT_UNIX_AS_PROBE = """
+import json, socket, sys
+out = {}
+for path in sys.argv[1:]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        out[path] = "connected"
+    except OSError as err:
+        out[path] = type(err).__name__
+    finally:
+        s.close()
+print(json.dumps(out))
+"""
+
+
+def test_every_socket_vllm_listens_on_is_closed_to_another_user(running: Running) -> None:
+    """vLLM's own ZeroMQ sockets between its API server, engine core and workers are ipc://
+    paths; by default under /tmp, with the umask's mode. The engine puts them, and the
+    KV-event ones, in its private directory (VLLM_RPC_BASE_PATH): the probe user can
+    connect to none. Over TCP, vLLM listens on its HTTP port (401 without the engine token,
+    test_security_probe.py) and torch.distributed's gloo listeners in the worker (loopback;
+    docs/security.md says what they are and why they stay)."""
+    unix, tcp = _listening(_socket_inodes(_tree(running.engine.pid)))
+    directory = running.kv_dir
+    # The API server's, the engine core's and the worker's ZMQ sockets, events and replay.
+    assert len(unix) >= 6, unix
+    assert all(Path(path).parent == directory for path in unix), unix
+    run = run_python_as(CONNECT_UNIX_AS_PROBE, *unix)
+    assert run.returncode == 0, run.stderr
+    assert set(json.loads(run.stdout).values()) == {"PermissionError"}, run.stdout
+    http_port = int(running.url.rsplit(":", 1)[1])
+    assert http_port in {port for port, _ in tcp}
+    others = {pid for port, pid in tcp if port != http_port}
+    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in others}
+    assert names <= {"VLLM::Worker"}, names  # torch.distributed's (gloo), nothing else
+
+
 # A ZeroMQ peer as the probe user: connects (plain, or CURVE with a key pair of its own and
 # a guess at the server's key), sends one message, and prints what its handshake came to.
 ZMQ_AS_PROBE = """

@@ -216,3 +216,72 @@ def test_an_admin_override_wins_until_reset() -> None:
     decision = pool.poll(Signals(replicas(9, running=2, waiting=9)))
     assert decision.reason == "override 9->6: override reset: autoscaling resumes at 6"
     assert pool.hold_for(Signals(replicas(6, running=2, waiting=9)), 60).target == 6
+
+
+ZERO = AutoscaleConfig(min=0, max=3, idle_s=600, scale_down_window_s=60, scale_down_cooldown_s=120,
+                       scale_up_window_s=10, target_in_flight=4)  # fmt: skip
+
+
+def test_scale_to_zero_after_idle_s_only_and_never_while_busy() -> None:
+    pool = Pool(cfg=ZERO, state=AutoscaleState(target=1))
+    # The ordinary rule stops at one replica, however long it has been quiet ...
+    assert pool.hold_for(Signals(replicas(1), idle_s=599), 900).target == 1
+    # ... in flight or waiting: never to zero, whatever idle_s says.
+    assert pool.poll(Signals(replicas(1, running=1), idle_s=10_000)).target == 1
+    assert pool.poll(Signals(replicas(1, waiting=1), idle_s=10_000)).target == 1
+    # Unknown (a pool manager that just started): no.
+    assert pool.poll(Signals(replicas(1), idle_s=None)).target == 1
+    assert pool.changes == []
+    decision = pool.poll(Signals(replicas(1), idle_s=600))
+    assert decision.reason == "down 1->0: no request for 600 s (scale to zero)"
+    # From a larger target too (nothing came at all), and a pending job with no replica yet.
+    pool = Pool(cfg=ZERO, state=AutoscaleState(target=3))
+    assert pool.poll(Signals([], starting=3, idle_s=700)).reason.startswith("down 3->0: ")
+    # Not within the cooldown after a change.
+    pool = Pool(cfg=ZERO, state=AutoscaleState(target=1, changed_at=1000))
+    assert "cooldown" in pool.poll(Signals(replicas(1), idle_s=700)).reason
+
+
+def test_a_pool_at_zero_wakes_on_the_first_unserved_request_at_once() -> None:
+    pool = Pool(cfg=ZERO, state=AutoscaleState(target=1))
+    assert pool.poll(Signals(replicas(1), idle_s=600), 500).target == 0  # at t=1500
+    # Demand from before it went to zero, or older than idle_s, does not wake it.
+    assert pool.poll(Signals([], unserved_age_s=30, idle_s=30)).target == 0  # 29 s before
+    assert pool.poll(Signals([], unserved_age_s=601)).target == 0
+    assert pool.poll(Signals([])).reason == "at zero: no request since it scaled to zero"
+    # A Route that found no replica after it went to zero: up at once (no window).
+    decision = pool.poll(Signals([], unserved_age_s=0.5, idle_s=0.5))
+    assert decision.reason == "up 0->1: a request found no replica 0 s ago (woken from zero)"
+    # Warm spares wake with it.
+    spare = Pool(cfg=AutoscaleConfig(min=0, max=3, warm_spares=1),
+                 state=AutoscaleState(target=0, changed_at=900))  # fmt: skip
+    assert spare.poll(Signals([], unserved_age_s=1)).target == 2
+    # The router did not answer: hold, whatever the last demand said.
+    asleep = Pool(cfg=ZERO, state=AutoscaleState(target=0))
+    assert asleep.poll(Signals([], unserved_age_s=1, measured=False)).target == 0
+    # An admin's override wins over zero too.
+    assert asleep.poll(Signals([], override=2)).target == 2
+
+
+def test_a_scheduled_floor_raises_the_target_at_once_and_holds_scale_downs_and_zero() -> None:
+    why = "schedule floor 4 (mon 09:00-18:00), raised 300 s ahead: cold start"
+    pool = Pool(state=AutoscaleState(target=1))
+    # Nothing serves yet and nothing is measured: a floor is known ahead, it applies anyway.
+    decision = pool.poll(Signals([], measured=False, floor=4, floor_reason=why))
+    assert decision.reason == f"up 1->4: {why}"
+    # Idle under the floor: no scale-down, and the hold says why.
+    decision = pool.hold_for(Signals(replicas(4), floor=4, floor_reason=why), 900)
+    assert decision.target == 4 and decision.reason == f"steady at 4; {why}"
+    # Above the floor, the ordinary rule comes down to it and stops.
+    pool = Pool(state=AutoscaleState(target=6))
+    assert pool.hold_for(Signals(replicas(6), floor=4, floor_reason=why), 2000).target == 4
+    # Capped at max; load above the floor still scales up.
+    pool = Pool(state=AutoscaleState(target=2))
+    assert pool.poll(Signals(replicas(2), floor=9, floor_reason=why)).target == 6
+    # The floor ends: the ordinary, slow rules take it down.
+    assert pool.poll(Signals(replicas(6))).target == 6
+    # A pool that may scale to zero does not while a floor applies, and wakes for one.
+    pool = Pool(cfg=ZERO, state=AutoscaleState(target=1))
+    assert pool.poll(Signals(replicas(1), idle_s=10_000, floor=1, floor_reason=why)).target == 1
+    asleep = Pool(cfg=ZERO, state=AutoscaleState(target=0))
+    assert asleep.poll(Signals([], floor=2, floor_reason=why)).reason == f"up 0->2: {why}"

@@ -15,8 +15,30 @@ POOL = {"name": "chat", "model_path": "/models/llama"}
         ({"autoscale": {}}, "pools[0].autoscale: object missing required field max"),
         ({"autoscale": {"max": 0}}, "pools[0].autoscale.max: expected int >= 1, got 0"),
         (
-            {"autoscale": {"max": 4, "min": 0}, "replicas": 1},
-            "pools[0].autoscale.min: 0 (scale to zero) is not supported yet",
+            {"autoscale": {"max": 4, "min": 0, "wake_budget_s": 7200}},
+            "pools[0].autoscale.wake_budget_s: expected float <= 3600",
+        ),
+        (
+            {"autoscale": {"max": 4, "min": 0, "idle_s": 0}},
+            "pools[0].autoscale.idle_s: expected float > 0",
+        ),
+        (
+            {"autoscale": {"max": 4, "schedule": [{"start": "9:00", "end": "18:00", "min": 2}]}},
+            "pools[0].autoscale.schedule[0].start: expected str matching regex",
+        ),
+        (
+            {"autoscale": {"max": 4, "schedule": [{"start": "22:00", "end": "06:00", "min": 2}]}},
+            "pools[0].autoscale.schedule[0].end: 06:00 is not after start (22:00); a floor "
+            "through midnight is two entries",
+        ),
+        (
+            {"autoscale": {"max": 4, "schedule": [{"start": "09:00", "end": "18:00", "min": 5}]}},
+            "pools[0].autoscale.schedule[0].min: 5 is above autoscale.max (4)",
+        ),
+        (
+            {"autoscale": {"max": 4, "schedule": [
+                {"start": "09:00", "end": "18:00", "min": 2, "days": ["monday"]}]}},
+            "pools[0].autoscale.schedule[0].days[0]: invalid enum value 'monday'",
         ),
         ({"autoscale": {"max": 2, "min": 3}}, "pools[0].autoscale.min: 3 is above autoscale.max"),
         (
@@ -71,3 +93,10 @@ def test_defaults_and_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "hpcserve.toml"
     path.write_text(dump_config(cfg))  # a pool without autoscale writes no key for it
     assert load_config(path).pools == cfg.pools
+
+
+def test_scale_to_zero_starts_asleep_with_replicas_zero() -> None:
+    cfg = parse_config({"pools": [{**POOL, "replicas": 0, "autoscale": {"min": 0, "max": 2}}]})
+    auto = cfg.pools[0].autoscale
+    assert auto is not None and (auto.min, auto.idle_s, auto.wake_budget_s) == (0, 900.0, 60.0)
+    assert cfg.pools[0].replicas == 0

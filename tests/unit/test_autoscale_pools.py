@@ -128,3 +128,94 @@ def test_hpcserve_scale_on_an_autoscaled_pool_pauses_it_until_reset(
     assert main(["scale", "chat", "--reset", "--config", str(path)]) == 0
     assert "pool chat: autoscaling resumes" in capsys.readouterr().out
     assert read_overrides(tmp_path) == {}
+
+
+ZERO = parse_config(
+    {
+        "pools": [
+            {"name": "rare", "model_path": "/m", "served_model_name": "rare-model", "replicas": 1,
+             "autoscale": {"min": 0, "max": 2, "idle_s": 30, "scale_down_cooldown_s": 0}},
+        ]
+    }
+)  # fmt: skip
+
+
+def test_scale_to_zero_counts_requests_between_polls_and_wakes_on_unserved_demand() -> None:
+    pools = AutoscaledPools(CollectorRegistry())
+
+    def step(now: float, routed: int | None, unserved: dict[str, float] | None = None) -> int:
+        listed = [] if routed is None else [msgspec.structs.replace(replica(1, pool="rare"),
+                                                                    routed=routed)]  # fmt: skip
+        jobs = [] if routed is None else [job(1, pool="rare")]
+        return pools.resize(ZERO, {"rare": 1}, {}, jobs, {}, listed, {}, now, unserved=unserved)[
+            "rare"
+        ]
+
+    # Short requests that no poll sees in flight keep it awake: its routed count moves.
+    assert [step(t, routed=t // 20) for t in range(100, 200, 5)] == [1] * 20
+    assert pools.active_at["rare"] == 180
+    # Nothing routed for 30 s (idle_s): it scales to zero, and stays there.
+    assert step(209, routed=9) == 1
+    assert step(210, routed=9) == 0
+    assert pools.decisions["rare"].reason == "down 1->0: no request for 30 s (scale to zero)"
+    assert step(300, routed=None) == 0
+    # Demand for another model, or from before it went to zero, does not wake it.
+    assert step(301, routed=None, unserved={"other": 0.1, "rare-model": 95}) == 0
+    # A request that found no replica (the gateway holds it): woken at once.
+    assert step(302, routed=None, unserved={"rare-model": 0.5}) == 1
+    assert pools.decisions["rare"].reason.startswith("up 0->1: a request found no replica")
+    # While it starts, the held request's repeated Routes keep it from idling back to zero.
+    assert all(step(t, routed=None, unserved={"rare-model": 1}) == 1 for t in range(303, 400, 5))
+
+
+def test_a_schedule_is_raised_ahead_by_the_measured_cold_start() -> None:
+    from datetime import datetime
+
+    scheduled = parse_config(
+        {
+            "pools": [
+                {"name": "chat", "model_path": "/m", "replicas": 1,
+                 "autoscale": {"max": 4, "schedule": [{"start": "09:00", "end": "18:00",
+                                                       "min": 3}]}},
+            ]
+        }
+    )  # fmt: skip
+    pools = AutoscaledPools(CollectorRegistry())
+    before = datetime.fromisoformat("2026-12-02 08:55").timestamp()  # host's local time
+    args = ({"chat": 1}, {}, [job(1)], {}, [replica(1)], {})
+    assert pools.resize(scheduled, *args, before, lead_s={"chat": 200})["chat"] == 1
+    assert pools.resize(scheduled, *args, before + 1, lead_s={"chat": 400})["chat"] == 3
+    assert pools.decisions["chat"].reason == (
+        "up 1->3: schedule floor 3 (daily 09:00-18:00), raised 299 s ahead: cold start"
+    )
+    assert pools.signals["chat"].summary().endswith("; schedule floor 3")
+
+
+def test_arrivals_are_the_routed_counts_between_polls_and_feed_the_forecast(
+    tmp_path: Path,
+) -> None:
+    registry = CollectorRegistry()
+    pools = AutoscaledPools(registry, tmp_path)
+
+    def step(now: float, routed: int) -> None:
+        listed = [msgspec.structs.replace(replica(1), routed=routed)]
+        pools.resize(CONFIG, {"chat": 1}, {}, [job(1)], {}, listed, {}, now, lead_s={"chat": 300})
+
+    step(1000, 5000)  # the first poll: a count from before, not arrivals
+    for i in range(1, 25):  # 10 requests every 5 s: 2 req/s
+        step(1000 + 5 * i, 5000 + 10 * i)
+    assert pools.forecasts.rate("chat") == pytest.approx(2.0)
+    assert pools.signals["chat"].forecast_horizon_s == 300
+    assert value(registry, "hpcserve_poolmgr_autoscale_rate_rps", pool="chat", kind="now") == (
+        pytest.approx(2.0)
+    )
+
+
+def test_each_pools_slo_is_exported_beside_its_p95_for_the_alerts() -> None:
+    registry = CollectorRegistry()
+    AutoscaledPools(registry).resize(CONFIG, {"chat": 1, "fixed": 2}, {}, [job(1)], {},
+                                     [replica(1)], {}, 1000.0)  # fmt: skip
+    objective = "hpcserve_poolmgr_autoscale_slo_objective_seconds"
+    assert value(registry, objective, pool="chat", slo="ttft") == 0.8
+    assert value(registry, objective, pool="chat", slo="tpot") == 0.05
+    assert value(registry, objective, pool="fixed", slo="ttft") is None  # not autoscaled

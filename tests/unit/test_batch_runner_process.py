@@ -24,7 +24,7 @@ def test_the_runner_process_holds_the_lock_and_shares_its_batch_tokens(
     config = parse_config({
         "state_dir": str(tmp_path),
         "router": {"registry_bind": router.config.registry_bind,
-                   "routing_bind": router.config.routing_bind},
+                   "routing_bind": router.config.routing_bind, "allow_plain_loopback": True},
         "gateway": {"tenants": [{"name": "docs", "batch_tokens_per_min": 1000}],
                     "quota_sync_s": 0.05},
         "pools": [{"name": "sim", "model_path": "/nonexistent", "engine": "sim"}],

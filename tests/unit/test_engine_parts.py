@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from hpcserve.contracts.protocol import ReplicaLoad
+from hpcserve.contracts.protocol import LatencyHistogram, ReplicaLoad
 from hpcserve.engine_launch.load import parse_vllm_load
 from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
 from hpcserve.engine_launch.vllm_args import EngineSpec, describe_env, vllm_argv, vllm_env
@@ -36,6 +36,24 @@ CACHE_INFO = (
 )
 def test_parse_vllm_load(text, expected):
     assert parse_vllm_load(text) == expected
+
+
+def test_parse_vllm_load_reports_the_ttft_and_tpot_histograms_summed_over_engines():
+    text = "".join(
+        f'vllm:time_to_first_token_seconds_bucket{{engine="{e}",le="{le}",model_name="m"}} {n}\n'
+        for e, rows in (("0", (("0.1", 1), ("0.5", 3), ("+Inf", 4))),
+                        ("1", (("0.1", 0), ("0.5", 2), ("+Inf", 2))))
+        for le, n in rows
+    ) + (
+        'vllm:request_time_per_output_token_seconds_bucket{le="0.05",model_name="m"} 7.0\n'
+        'vllm:request_time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 9.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="m"} 3.5\n'
+        'vllm:time_to_first_token_seconds_bucket{model_name="m"} 5\n'  # no le: skipped
+    )  # fmt: skip
+    load = parse_vllm_load(text)
+    assert load.ttft == LatencyHistogram([0.1, 0.5], [1, 5], 6)
+    assert load.tpot == LatencyHistogram([0.05], [7], 9)
+    assert parse_vllm_load(VLLM_METRICS).ttft is None
 
 
 def spec(**kw):

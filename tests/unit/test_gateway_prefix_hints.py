@@ -48,9 +48,12 @@ def test_long_prompts_are_tokenized_on_the_pool_with_the_same_hints(hints: Route
     assert on_loop == hints.hints("m", json.loads(short), headers)
     assert pooled["block_hashes"] and pooled["session_key"] == "s1"
     assert uncovered == {"session_key": "s1"}
-    # With the pool's queue full, a request is routed without prefix hints, not delayed.
+    # With the pool's queue full, a prompt the cache does not hold is routed without prefix
+    # hints, not delayed; one it holds still gets them (no tokenizing left to wait for).
     gateway._hints_waiting = gateway_app.MAX_HINTS_WAITING
-    assert asyncio.run(gateway.prefix_hints("m", long, headers)) == {"session_key": "s1"}
+    fresh = body_of(3 * gateway_app.INLINE_HINT_BYTES + 40)
+    assert asyncio.run(gateway.prefix_hints("m", fresh, headers)) == {"session_key": "s1"}
+    assert asyncio.run(gateway.prefix_hints("m", long, headers)) == pooled
     gateway._hint_pool.shutdown()
 
 
@@ -59,10 +62,13 @@ def test_an_alias_is_hashed_with_its_targets_tokenizer(hints: RouteHints) -> Non
         GatewayConfig(), routing_endpoint="tcp://127.0.0.1:9", configured_models={"m"}
     )
     gateway.route_hints = hints
-    replica = p.ReplicaInfo(
-        "r", "m", "http://r", "pool", 0, "n1", 0.0, 0.0, 0, p.ReplicaLoad(), model_ref="m@1"
-    )
-    gateway.routing.view.update([replica], {"extraction": "m@1"})
+    replicas = [
+        p.ReplicaInfo(
+            rid, "m", f"http://{rid}", "pool", 0, "n1", 0.0, 0.0, 0, p.ReplicaLoad(), model_ref="m@1"
+        )
+        for rid in ("r1", "r2")  # with one, no hints: they could not change the decision
+    ]
+    gateway.routing.view.update(replicas, {"extraction": "m@1"})
     body = body_of(100)
     got = asyncio.run(gateway.prefix_hints("extraction", body, {}))
     assert got["block_hashes"] and got == hints.hints("m", json.loads(body), {})

@@ -61,9 +61,19 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "sim": (*FOUNDATION, "engine_launch.agent"),
     "slurm_templates": (),
     # The commands on top: they wire components together; nothing imports them but these.
-    "localslurm": ("slurm", "port_reservations", "ports"),
+    "localslurm": ("slurm", "port_reservations", "ports", "local_accounting"),
+    "local_accounting": (),
+    # `hpcserve report`: Slurm's accounting and the usage records, priced.
+    "report": (*FOUNDATION, "slurm"),
     "status": (*FOUNDATION, "poolmgr", "slurm"),
+    # `hpcserve doctor`: gathers through the Slurm client, health's NVML and modelcache,
+    # shapes its job like the pool manager's; the acceptance run drives the whole stack.
+    "doctor": (*FOUNDATION, "slurm", "health", "modelcache", "poolmgr", "stack", "tinymodels"),
     "stack": (*FOUNDATION, "localslurm", "status", "tinymodels", "modelcache", "poolmgr", "slurm"),
+    # Model onboarding (`models eval`): suites and the gate are pure; the eval run finds or
+    # starts a replica with the pool manager's job code and records in the model registry.
+    "onboarding": (*FOUNDATION, "modelcache", "poolmgr", "slurm"),
+    "units": ("config",),
     "cli": ("*",),
 }
 

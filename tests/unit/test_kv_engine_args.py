@@ -48,3 +48,16 @@ def test_block_size_from_the_arguments_or_the_engine_default():
     assert block_size(spec(engine="sim")) == 16  # the simulator models a GPU
     assert block_size(spec(extra_args=["--block-size", "32"])) == 32
     assert engine_block_size("vllm", ["--block-size=64"]) == 64
+
+
+def test_vllms_own_sockets_and_temporary_files_go_to_the_private_directory():
+    from hpcserve.engine_launch.vllm_args import vllm_env
+
+    env = vllm_env(spec(runtime_dir="/tmp/hpcserve-kv-1-x"), {"TMPDIR": "/scratch/job"})
+    # Not /tmp, where vLLM's ipc:// sockets take the umask's mode.
+    assert env["VLLM_RPC_BASE_PATH"] == env["TMPDIR"] == "/tmp/hpcserve-kv-1-x"
+    # torch's compiled kernels stay where torch keeps them, across starts.
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith("/tmp/torchinductor_")
+    own = {"TORCHINDUCTOR_CACHE_DIR": "/site/inductor"}
+    assert vllm_env(spec(runtime_dir="/tmp/d"), own)["TORCHINDUCTOR_CACHE_DIR"] == "/site/inductor"
+    assert "VLLM_RPC_BASE_PATH" not in vllm_env(spec(), {})

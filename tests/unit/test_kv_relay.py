@@ -28,7 +28,7 @@ from hpcserve.engine_launch.engine import (
     sweep_kv_dirs,
 )
 from hpcserve.engine_launch.kv_relay import KvEventRelay
-from hpcserve.engine_launch.vllm_args import kv_events_endpoints, vllm_argv
+from hpcserve.engine_launch.vllm_args import kv_events_endpoints, vllm_argv, vllm_env
 from hpcserve.router.kv_subscriber import KvEventSubscriber
 from hpcserve.router.prefix_index import PrefixIndex
 from tests.ports import free_port
@@ -285,6 +285,31 @@ def test_the_engine_publishes_in_a_directory_only_its_account_may_enter(tmp_path
     finally:
         runner.close_kv_events()
         agent.close()
+        runner.release_ports()
+    assert not directory.exists()
+
+
+def test_the_private_directory_holds_vllms_own_sockets_and_fits_their_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A long TMPDIR: vLLM's ipc paths (<directory>/<uuid4>) would not fit a sockaddr_un.
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    options = EngineOptions(
+        str(tmp_path), "m", f"tcp://127.0.0.1:{free_port()}", engine="vllm-cpu",
+        bind_host="127.0.0.1",
+    )  # fmt: skip
+    runner = EngineRunner(options)
+    try:
+        directory = Path(runner.open_private_dir())
+        assert runner.open_private_dir() == str(directory)  # once per engine
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+        assert len(f"{directory}/{'0' * 36}") < 108 and directory.parent == Path("/tmp")
+        env = vllm_env(runner.spec, {})
+        assert env["VLLM_RPC_BASE_PATH"] == env["TMPDIR"] == str(directory)
+    finally:
+        runner.close_private_dir()
         runner.release_ports()
     assert not directory.exists()
 

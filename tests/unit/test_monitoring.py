@@ -61,6 +61,17 @@ def test_the_example_scrape_config_is_valid(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_example_sends_the_metrics_token_to_every_hpcserve_service():
+    example = (PROMETHEUS / "prometheus.example.yml").read_text()
+    # Each job's block: from its "- job_name:" to the next (the file is flat, one level).
+    blocks = example.split("  - job_name: ")[1:]
+    jobs = {block.split()[0]: block for block in blocks}
+    services = ("hpcserve-gateway", "hpcserve-router", "hpcserve-poolmgr", "hpcserve-batch")
+    for name in services:  # their /metrics answer 401 without it (contracts/metrics_http.py)
+        assert "credentials_file: /etc/prometheus/hpcserve-metrics-token" in jobs[name], name
+    assert "authorization" not in jobs["hpcserve-engines"]  # vLLM's /metrics is open
+
+
 def test_the_dashboards_are_up_to_date_with_their_spec():
     done = subprocess.run(
         [sys.executable, str(GRAFANA / "dashboards.py"), "--check"], capture_output=True, text=True
@@ -88,6 +99,17 @@ def test_the_dashboards_cover_what_an_operator_looks_at():
     } <= set(titles)
     variables = {v["name"] for v in titles["hpcserve-tenants"]["templating"]["list"]}
     assert {"datasource", "tenant", "model"} <= variables
+    # Model onboarding: online quality per deployment, rollouts, numerical canaries.
+    queries = " ".join(t["expr"] for p in titles["hpcserve-models"]["panels"] for t in p["targets"])
+    for family in (
+        "gateway_deployment_errors",
+        "gateway_deployment_truncations",
+        "gateway_deployment_refusals",
+        "gateway_deployment_structured_invalid",
+        "rollout_share",
+        "router_canary_checks",
+    ):
+        assert f"hpcserve_{family}" in queries, family
 
 
 def test_every_panel_query_parses(tmp_path):
@@ -167,3 +189,16 @@ def test_a_targets_file_that_cannot_be_written_is_retried_not_fatal(tmp_path, ca
     targets.update([_replica("a", "http://n1:8001")])
     targets.update([_replica("a", "http://n1:8001")])
     assert caplog.text.count("cannot write the scrape targets") == 1
+
+
+def test_the_slurm_dashboard_shows_the_autoscalers_slo_cold_start_forecast_and_wake_holds():
+    board = json.loads((GRAFANA / "dashboards" / "hpcserve-slurm.json").read_text())
+    queries = " ".join(t["expr"] for p in board["panels"] for t in p["targets"])
+    for family in (
+        "poolmgr_autoscale_slo_p95_seconds",
+        "poolmgr_autoscale_slo_objective_seconds",
+        "poolmgr_cold_start_seconds",
+        "poolmgr_autoscale_rate_rps",
+        "gateway_wake_holds_total",
+    ):
+        assert f"hpcserve_{family}" in queries, family

@@ -84,7 +84,9 @@ def test_json_report_shape(capsys):
         "warnings",
         "estimate",
         "note",
+        "pd",
     }
+    assert report["pd"] is None  # without --pd
     for section in ("memory", "performance", "fleet", "batch_job", "economics"):
         assert report[section]["wrong_if"], section
     for section in ("memory", "performance", "fleet", "batch_job"):

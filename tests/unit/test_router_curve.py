@@ -110,6 +110,7 @@ def test_router_refuses_a_plain_public_registry():
         registry_bind=f"tcp://0.0.0.0:{free_port()}",
         routing_bind=f"tcp://127.0.0.1:{free_port()}",
         metrics_port=0,
+        allow_plain_loopback=True,  # loopback only: not a public bind
     )
     server = RouterServer(config, context=zmq.Context.instance())
     with pytest.raises(CurveError, match="allow_plain_remote"):

@@ -131,7 +131,10 @@ def test_bad_bind_endpoints_name_the_setting(endpoint: str) -> None:
 
 def test_a_router_with_a_bad_routing_bind_fails_to_start_naming_the_key() -> None:
     config = RouterConfig(
-        registry_bind=f"tcp://127.0.0.1:{free_port()}", routing_bind="tcp://*", metrics_port=0
+        registry_bind=f"tcp://127.0.0.1:{free_port()}",
+        routing_bind="tcp://*",
+        metrics_port=0,
+        allow_plain_loopback=True,
     )
     with pytest.raises(RuntimeError, match=r"router\.routing_bind"):
         RouterServer(config).bind()

@@ -151,6 +151,7 @@ def test_plain_routing_is_refused_on_a_non_loopback_bind_unless_allowed() -> Non
         registry_bind=f"tcp://127.0.0.1:{free_port()}",
         routing_bind=f"tcp://0.0.0.0:{free_port()}",
         metrics_port=0,
+        allow_plain_loopback=True,  # loopback only: not a public bind
     )
     with pytest.raises(CurveError, match=r"router\.routing_bind .* the routing socket"):
         RouterServer(config, context=zmq.Context.instance()).bind()

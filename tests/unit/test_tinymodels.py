@@ -421,3 +421,31 @@ def test_lora_seeds_make_different_adapters(tmp_path: Path) -> None:
     weights = "adapter_model.safetensors"
     assert (one / weights).read_bytes() == (again / weights).read_bytes()
     assert (one / weights).read_bytes() != (other / weights).read_bytes()
+
+
+def test_chat_variants_for_the_parity_gate(models: dict[str, Path], tmp_path: Path) -> None:
+    """float16: the same weights rounded; perturbed: every matrix moved, vectors kept."""
+    half = make_tiny_model("chat", tmp_path / "half", dtype="float16")
+    moved = make_tiny_model("chat", tmp_path / "moved", perturb=0.5)
+    assert read_json(half / "config.json")["torch_dtype"] == "float16"
+    assert read_json(moved / "config.json")["torch_dtype"] == "float32"
+    weights = "model.safetensors"
+    with (
+        safe_open(str(models["chat"] / weights), framework="numpy") as base,
+        safe_open(str(half / weights), framework="numpy") as f16,
+        safe_open(str(moved / weights), framework="numpy") as noisy,
+    ):
+        for name in base.keys():  # noqa: SIM118 (safe_open is no dict)
+            w = base.get_tensor(name)
+            assert f16.get_tensor(name).dtype == np.float16
+            assert np.array_equal(f16.get_tensor(name), w.astype(np.float16))
+            changed = not np.array_equal(noisy.get_tensor(name), w)
+            assert changed == (w.ndim == 2), name
+    for bad, message in (
+        ({"dtype": "bfloat16"}, "unknown dtype"),
+        ({"perturb": -1.0}, "perturb must be a number >= 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            make_tiny_model("chat", tmp_path / "bad", **bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chat models only"):
+        make_tiny_model("embed", tmp_path / "bad", dtype="float16")

@@ -1,0 +1,214 @@
+"""The gateway's two-step exchange for a disaggregated model (gateway/disagg.py) through the
+real gateway app and the real router over ZeroMQ, with the official openai client; the
+engines are small HTTP servers on loopback that record what they are sent (the real vLLM
+engines are in tests/integration/test_pd_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+from starlette.testclient import TestClient
+
+from hpcserve.config import ApiKey, GatewayConfig, hash_api_key
+from hpcserve.contracts import protocol as p
+from hpcserve.engine_launch.agent import RegistryAgent
+from hpcserve.gateway.app import Gateway, build_app
+from hpcserve.router.server import RouterServer
+from tests.routers import loopback_router_config, running_router
+
+KEY = "sk-pd"
+PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]]}
+
+
+class Engine:
+    """An engine stub: answers chat completions (streamed when asked), or `status` with an
+    error; records each request body."""
+
+    def __init__(self, status: int = 200, params: dict[str, Any] | None = None) -> None:
+        self.status = status
+        self.params = params
+        self.bodies: list[dict[str, Any]] = []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                engine.bodies.append(body)
+                if engine.status != 200:
+                    self._send(engine.status, b'{"error": {"message": "boom"}}', "json")
+                elif body.get("stream"):
+                    events = [
+                        {"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("a", "b")
+                    ]
+                    events.append(
+                        {
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": 3,
+                                "completion_tokens": 2,
+                                "total_tokens": 5,
+                            },
+                        }
+                    )
+                    data = b"".join(
+                        b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk",
+                                                 "created": 0, "model": "m", **e}).encode() + b"\n\n"
+                        for e in events
+                    ) + b"data: [DONE]\n\n"  # fmt: skip
+                    self._send(200, data, "event-stream")
+                else:
+                    answer: dict[str, Any] = {
+                        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                        "choices": [{"index": 0, "finish_reason": "length",
+                                     "message": {"role": "assistant", "content": "ab"}}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+                    }  # fmt: skip
+                    if engine.params is not None:
+                        answer["kv_transfer_params"] = engine.params
+                    self._send(200, json.dumps(answer).encode(), "json")
+
+            def _send(self, status: int, data: bytes, kind: str) -> None:
+                self.send_response(status)
+                media = "application/json" if kind == "json" else "text/event-stream"
+                self.send_header("content-type", media)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@contextmanager
+def pd_model(
+    prefill: Engine, decode_urls: list[str]
+) -> Iterator[tuple[openai.OpenAI, CollectorRegistry, RouterServer]]:
+    """A router with the prefill replica and the decode replicas of model "m" registered by
+    real agents, and the gateway in front."""
+    with running_router(loopback_router_config(lease_s=600.0)) as router:
+        replicas = [p.Register("pf", "m", prefill.url, node="n1", role="prefill")]
+        replicas += [
+            p.Register(f"d{i}", "m", url, node="n1", role="decode")
+            for i, url in enumerate(decode_urls)
+        ]
+        agents = [RegistryAgent(router.config.registry_bind, r) for r in replicas]
+        metrics = CollectorRegistry()
+        gateway = Gateway(
+            GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))]),
+            routing_endpoint=router.config.routing_bind,
+            configured_models={"m"},
+            metrics_registry=metrics,
+        )
+        try:
+            for agent in agents:
+                agent.register()
+                agent.process_replies(30.0)
+                assert agent.registered
+            with TestClient(build_app(gateway)) as http:
+                client = openai.OpenAI(
+                    base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
+                )
+                yield client, metrics, router
+        finally:
+            for agent in agents:
+                agent.close()
+
+
+def outcome(metrics: CollectorRegistry, name: str) -> float:
+    labels = {"model": "m", "outcome": name}
+    return metrics.get_sample_value("hpcserve_gateway_pd_requests_total", labels) or 0.0
+
+
+MESSAGES = [{"role": "user", "content": "a long document"}]
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.close()
+
+
+def test_prefill_then_decode_with_the_transfer_parameters_streamed_or_not(engines):
+    prefill, decode = Engine(params=PARAMS), Engine()
+    engines += [prefill, decode]
+    with pd_model(prefill, [decode.url]) as (client, metrics, router):
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
+        assert reply.choices[0].message.content == "ab"
+        stream = client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=50, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "ab"
+        assert outcome(metrics, "transferred") == 2
+        replicas = {r.replica_id: r for r in router.registry}
+    for sent in prefill.bodies:
+        assert sent["max_tokens"] == 1 and "stream" not in sent
+        assert sent["kv_transfer_params"]["do_remote_decode"] is True
+        assert sent["messages"] == MESSAGES
+    whole, streamed = decode.bodies
+    assert whole["kv_transfer_params"] == PARAMS and whole["max_tokens"] == 50
+    assert streamed["kv_transfer_params"] == PARAMS and streamed["stream"] is True
+    assert "kv_transfer_params" not in whole.get("stream_options", {})
+    # Both replicas were released after each request.
+    assert replicas["pf"].in_flight == 0 and replicas["d0"].in_flight == 0
+
+
+def test_a_failed_prefill_leaves_the_prompt_to_the_decode_replica(engines):
+    prefill, decode = Engine(status=500), Engine()
+    engines += [prefill, decode]
+    with pd_model(prefill, [decode.url]) as (client, metrics, _router):
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
+        assert reply.choices[0].message.content == "ab"
+        assert outcome(metrics, "prefill_failed") == 1
+    [sent] = decode.bodies
+    assert "kv_transfer_params" not in sent  # it computes the prompt itself
+
+
+def test_an_unreachable_prefill_replica_is_no_failure_either(engines):
+    decode = Engine()
+    gone = Engine()
+    gone.close()  # its port now refuses connections
+    engines.append(decode)
+    with pd_model(gone, [decode.url]) as (client, metrics, _router):
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
+        assert reply.choices[0].message.content == "ab"
+        assert outcome(metrics, "prefill_failed") == 1
+
+
+def test_a_decode_replica_failing_before_its_answer_is_retried_elsewhere(engines):
+    prefill, broken, decode = Engine(params=PARAMS), Engine(status=503), Engine()
+    engines += [prefill, broken, decode]
+    with pd_model(prefill, [broken.url, decode.url]) as (client, _metrics, _router):
+        for _ in range(4):  # whichever decode replica the router picks first
+            reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
+            assert reply.choices[0].message.content == "ab"
+    assert len(decode.bodies) == 4
+    assert all(b["kv_transfer_params"] == PARAMS for b in decode.bodies + broken.bodies)
+
+
+def test_a_model_whose_every_replica_fails_gets_a_clean_error(engines):
+    prefill, broken = Engine(status=500), Engine(status=503)
+    engines += [prefill, broken]
+    with (
+        pd_model(prefill, [broken.url]) as (client, _metrics, _router),
+        pytest.raises(openai.APIStatusError) as failed,
+    ):
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
+    assert failed.value.status_code in (502, 503)
