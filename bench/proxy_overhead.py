@@ -9,6 +9,8 @@ Targets, interleaved, medians of ROUNDS:
   + routing + the real router over ZeroMQ (Route, Release) instead of a static upstream
   + metrics + Prometheus metrics
   + audit   + the audit log (gateway.audit_log): one JSON line per request, to a file
+  + usage   + the usage records (gateway.usage_dir, always on in a deployment): one JSON
+            line per answer, appended to the day's file, synced at most every second
   + tracing + request spans (exported by the gateway's background thread to an exporter that
             drops them): everything on
   + hints-cold  + prefix hints for KV-aware routing (2 replicas, so they count) with the prompt
@@ -327,7 +329,8 @@ http {{
 # -- the feature ladder: the same gateway with features switched on one at a time ---------
 
 FEATURES = (
-    "relay", "auth", "quotas", "routing", "metrics", "audit", "hints-cold", "hints", "tracing",
+    "relay", "auth", "quotas", "routing", "metrics", "audit", "usage", "hints-cold", "hints",
+    "tracing",
 )  # fmt: skip
 RUST_ROUTERS = ("sglang-router", "vllm-router")
 
@@ -438,7 +441,13 @@ def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str)
         audit_log = str(Path(config_path).parent / f"audit-{feature}.log")
         gateway = Gateway(
             msgspec.structs.replace(
-                config.gateway, audit_log=audit_log if rung >= FEATURES.index("audit") else ""
+                config.gateway,
+                audit_log=audit_log if rung >= FEATURES.index("audit") else "",
+                usage_dir=(
+                    str(Path(config_path).parent / f"usage-{feature}")
+                    if rung >= FEATURES.index("usage")
+                    else ""
+                ),
             ),
             routing_endpoint=config.router.gateways_dial(),
             configured_models={MODEL},

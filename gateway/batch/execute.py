@@ -34,6 +34,8 @@ class EngineReply(msgspec.Struct, frozen=True):
     status_code: int
     body: bytes
     replica_id: str = ""
+    version: str = ""  # the registry version (name@N) that answered, for the usage record
+    adapter: str = ""
 
 
 class NoReplica(Exception):
@@ -152,6 +154,8 @@ class RoutedExecutor:
                 return EngineReply(404, _error_body(errors.model_not_found(model)))
             raise NoReplica(f"no replica of {model!r} is serving ({decision.error})")
         replica = decision.replica_id
+        if decision.model:  # an alias: the replica knows the version by its served name
+            body = _with_model(body, decision.model)
         exchange = _Exchange(lambda: routing.release(replica, model))
         try:
             response = await self.relay.forward(
@@ -179,4 +183,12 @@ class RoutedExecutor:
                 answer = batch_response(responses_request, answer)
             except msgspec.DecodeError:
                 raise ReplicaFailed("the engine's answer is not JSON", replica) from None
-        return EngineReply(response.status_code, answer, replica)
+        return EngineReply(
+            response.status_code, answer, replica, decision.model_ref, decision.adapter
+        )
+
+
+def _with_model(body: bytes, model: str) -> bytes:
+    payload = _payload.decode(body)
+    payload["model"] = model
+    return msgspec.json.encode(payload)

@@ -69,8 +69,8 @@ class BatchMetrics:
         )
         self.tokens = Counter(
             "hpcserve_batch_tokens_total",
-            "Tokens of finished batch requests, by kind (input, output)",
-            ["kind"],
+            "Tokens of finished batch requests, by kind (input, output) and the model asked for",
+            ["kind", "model"],
             registry=registry,
         )
         self.in_flight = Gauge(
@@ -143,7 +143,7 @@ class Committer:
     def __init__(self, store: BatchStore, metrics: BatchMetrics) -> None:
         self._store = store
         self._metrics = metrics
-        self._queue: asyncio.Queue[tuple[str, Result, asyncio.Future[None]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[str, Result, asyncio.Future[None], str]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -154,9 +154,10 @@ class Committer:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
-    async def record(self, batch_id: str, result: Result) -> None:
+    async def record(self, batch_id: str, result: Result, model: str = "") -> None:
+        """model: what the line asked for (its tokens' label)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._queue.put((batch_id, result, done))
+        await self._queue.put((batch_id, result, done, model))
         await done
 
     async def _run(self) -> None:
@@ -165,20 +166,20 @@ class Committer:
             while len(items) < COMMIT_MAX and not self._queue.empty():
                 items.append(self._queue.get_nowait())
             by_batch: dict[str, list[Result]] = {}
-            for batch_id, result, _ in items:
+            for batch_id, result, _, _ in items:
                 by_batch.setdefault(batch_id, []).append(result)
             try:
                 await asyncio.to_thread(self._commit, by_batch)
             except Exception as err:  # disk full, ...: those lines run again later
                 log.error("storing %d batch results failed: %s", len(items), err)
-                for _, _, done in items:
+                for _, _, done, _ in items:
                     if not done.done():
                         done.set_exception(err)
                 continue
-            for _, result, done in items:
+            for _, result, done, model in items:
                 self._metrics.requests.labels("completed" if result.succeeded else "failed").inc()
-                self._metrics.tokens.labels("input").inc(result.input_tokens)
-                self._metrics.tokens.labels("output").inc(result.output_tokens)
+                self._metrics.tokens.labels("input", model).inc(result.input_tokens)
+                self._metrics.tokens.labels("output", model).inc(result.output_tokens)
                 if not done.done():
                     done.set_result(None)
 
@@ -323,6 +324,8 @@ class BatchJob:
             completion_tokens=result.output_tokens,
             status=reply.status_code,
             replica=reply.replica_id,
+            version=reply.version,
+            adapter=reply.adapter,
             request_id=result.request_id,
             source="batch",
         )
@@ -388,7 +391,7 @@ class BatchJob:
             )
             # The slot is held until the result is stored: answered-but-unstored work (what a
             # crash makes an engine redo) stays within the concurrency bound.
-            await runner.committer.record(self.record.id, result)
+            await runner.committer.record(self.record.id, result, model)
         except _Stop:
             pass  # never answered: reported as cancelled/expired when the batch ends
         except Exception:

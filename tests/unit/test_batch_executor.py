@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -19,10 +20,11 @@ from hpcserve.gateway.batch.execute import NoReplica, ReplicaFailed, RoutedExecu
 from hpcserve.gateway.batch.runner import result_of
 from hpcserve.gateway.relay import Relay
 from hpcserve.gateway.routing_client import RoutingClient
+from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
 from tests.ports import free_port
-from tests.routers import loopback_router_config, running_router
+from tests.routers import alias_registry, loopback_router_config, running_router
 from tests.services import service, sim_engine_argv
 
 CHAT = msgspec.json.encode(
@@ -140,3 +142,48 @@ def test_a_responses_line_runs_as_a_chat_completion_and_answers_a_response(
         assert (result.input_tokens, result.output_tokens) == (2, 3)
 
     run(fleet, scenario)
+
+
+def test_a_line_for_an_alias_reaches_its_versions_replica_under_its_served_name(
+    tmp_path: Path,
+) -> None:
+    """The engine knows a version by its served name, not the alias (vLLM and the simulator
+    answer 404 to any other name); the reply names the version for the usage record."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    catalog = AliasCatalog.from_registry(str(alias_registry(tmp_path)), refresh_s=0.0)
+    with (
+        service(sim_engine_argv(port, "docs-v1", 0.1), url),
+        running_router(
+            loopback_router_config(lease_s=600.0), aliases=AliasRouter(catalog)
+        ) as router,
+    ):
+        agent = RegistryAgent(
+            router.config.registry_bind, p.Register("v1", "docs-v1", url, model_ref="docs@1")
+        )
+        try:
+            agent.register()
+            wait_for(
+                "the replica to register",
+                lambda: len(list_replicas(router.config.routing_bind)) == 1,
+                timeout=30,
+            )
+            body = msgspec.json.encode(
+                {
+                    "model": "extraction",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "x"}],
+                }
+            )
+
+            async def scenario(executor: RoutedExecutor) -> None:
+                reply = await executor.execute(
+                    "extraction", "/v1/chat/completions", body, "req_a", exclude=[], hints={}
+                )
+                assert (reply.status_code, reply.replica_id) == (200, "v1"), reply.body
+                assert (reply.version, reply.adapter) == ("docs@1", "")
+                assert msgspec.json.decode(reply.body)["model"] == "docs-v1"
+
+            run(router, scenario)
+        finally:
+            agent.close()
