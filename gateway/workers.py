@@ -31,9 +31,11 @@ import asyncio
 import hashlib
 import logging
 import multiprocessing
+import os
 import signal
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
@@ -78,6 +80,16 @@ def worker_address(state_dir: str, host: str, port: int, index: int) -> str:
     named after the deployment and address so that gateways on one host do not meet."""
     tag = hashlib.sha256(f"{state_dir}\0{host}\0{port}".encode()).hexdigest()[:16]
     return f"\0hpcserve-gateway-{tag}-{index}"
+
+
+def check_peer_is_us(sock: socket.socket) -> None:
+    """An abstract socket has no file and so no permissions: another user could bind a
+    worker's name first (or after it died). The metrics token goes only to a peer running
+    as this account (SO_PEERCRED); anyone else is an OSError naming its uid."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.geteuid():
+        raise PermissionError(f"the socket is held by uid {uid}, not this account's")
 
 
 def private_socket(address: str) -> socket.socket:
@@ -152,6 +164,7 @@ class WorkerSet:
         sock.setblocking(False)
         try:
             await asyncio.get_running_loop().sock_connect(sock, address)
+            check_peer_is_us(sock)
         except OSError:
             sock.close()
             raise

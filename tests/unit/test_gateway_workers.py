@@ -3,13 +3,24 @@ config keys."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import socket
+import subprocess
+from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpcserve.config import ConfigError, parse_config
-from hpcserve.gateway.workers import merge_expositions, reuseport_socket, run_workers
+from hpcserve.gateway.workers import (
+    WorkerSet,
+    merge_expositions,
+    reuseport_socket,
+    run_workers,
+    worker_address,
+)
 
 
 def test_workers_share_a_port_that_a_plain_listener_would_refuse() -> None:
@@ -61,3 +72,33 @@ def test_one_exposition_labels_every_workers_series() -> None:
 def test_bad_values_are_refused_naming_the_key(key: str, value: int) -> None:
     with pytest.raises(ConfigError, match=f"gateway.{key}"):
         parse_config({"gateway": {key: value}})
+
+
+def test_the_metrics_token_goes_to_no_socket_another_user_holds(tmp_path: Path) -> None:
+    """Abstract sockets have no permissions: a user who binds worker 1's name first gets
+    no scrape (and so no metrics token); worker 0's own series are still served."""
+    assert os.geteuid() == 0, "the suite runs as root (it starts another user's process)"
+    squatted = worker_address(str(tmp_path), "127.0.0.1", 8000, 1)
+    script = (
+        "import socket\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        f"s.bind({squatted!r}); s.listen(1); print('ready', flush=True)\n"
+        "c, _ = s.accept(); c.settimeout(3)\n"
+        "try:\n    print(repr(c.recv(4096)), flush=True)\n"
+        "except OSError:\n    print('nothing', flush=True)\n"
+    )
+    # Debian's python: the suite's own lives under /root, which nobody may enter.
+    child = subprocess.Popen(
+        ["/usr/bin/python3", "-c", script], user="nobody", stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        registry = CollectorRegistry()
+        Counter("seen", "a series of worker 0", registry=registry).inc()
+        workers = WorkerSet(0, [worker_address(str(tmp_path), "127.0.0.1", 8000, 0), squatted])
+        merged = asyncio.run(workers.merged(generate_latest(registry), "Bearer the-token"))
+        said, _ = child.communicate(timeout=10)
+    finally:
+        child.kill()
+    assert "the-token" not in said
+    assert 'seen_total{worker="0"} 1.0' in merged.decode()
