@@ -18,8 +18,9 @@ cold starts (one seed), polled every `--poll-s`.
 
 The full policy (`hpcserve: forecast ...`) runs what the pool manager runs besides the
 queue rules: each replica's capacity as the planner would give it (`--slots` in flight,
-their requests/s at 90% busy), the arrival forecast (poolmgr/forecast.py: trend plus a
-daily profile learned from the day before, replayed into it first) one measured cold start
+the requests/s they finish; decide() adds its queueing margin), the arrival forecast
+(poolmgr/forecast.py: trend plus a daily profile learned from the day before, replayed into
+it first) one measured cold start
 ahead (the p90 of the pool's last 20 cold starts, poolmgr/cold_start.py, seeded with 20
 from the days before), an admin's schedule floor raised ahead by that cold start
 (poolmgr/autoscale_schedule.py), and scale to zero: `--trace rare` is a rarely used
@@ -413,7 +414,9 @@ def policies_for(
 ) -> list[tuple[str, Callable[[World, float], int], int]]:
     """The policies compared: static, reactive (HPA/KEDA), hpcserve's queue rules alone,
     and hpcserve with the forecast, schedule and (rare trace) scale to zero."""
-    capacity = (args.slots, args.slots / args.service_s * 0.9)  # requests/s at 90% busy
+    # The planner's figures: a full batch in flight, and the requests/s it finishes (the
+    # autoscaler adds the queueing margin, autoscale.queueing_margin).
+    capacity = (args.slots, args.slots / args.service_s)
 
     def full(name: str, cfg: AutoscaleConfig, start: int) -> tuple[str, Any, int]:
         return name, full_policy(cfg, start, copy.deepcopy(forecasts), history, capacity), start

@@ -15,8 +15,9 @@ Targets, interleaved, medians of ROUNDS:
             drops them): everything on
   + hints-cold  + prefix hints for KV-aware routing (2 replicas, so they count) with the prompt
             cache off: every prompt rendered with its chat template, tokenized and hashed
-  + hints   + the prompt cache on (gateway.prompt_cache_mb): the default deployment, every
-            feature but tracing on
+  + hints   + the prompt cache on (gateway.prompt_cache_mb) and a short new last turn not
+            tokenized the first time (gateway.prompt_defer_chars): the default deployment,
+            every feature but tracing on
   sglang-router, vllm-router  the Rust routers' cache_aware policy, when `--rust-venv` names
             a virtual environment they are installed in (never the project's)
 Bodies (the default, `--bodies chat`): chat requests of 1k-4k tokens for a realistic
@@ -463,10 +464,19 @@ def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str)
 
             hints = RouteHints()
             cache_bytes = 0 if feature == "hints-cold" else config.gateway.prompt_cache_mb << 20
-            hints.add_model(MODEL, PromptTokenizer.from_dir(model_dir), BLOCK_SIZE, cache_bytes)
+            hints.add_model(
+                MODEL,
+                PromptTokenizer.from_dir(model_dir),
+                BLOCK_SIZE,
+                cache_bytes,
+                config.gateway.prompt_defer_chars,
+            )
             gateway.route_hints = hints
             register_cache_metrics(gateway.metrics_registry, hints)
         app = build_app(gateway)
+        from hpcserve.gateway.gc_tune import tune_gc
+
+        tune_gc()  # as gateway/server.py does before serving
     uvicorn.run(
         app,
         host="127.0.0.1",

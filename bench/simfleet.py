@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from bench.results import write_results  # noqa: E402
 from bench.workload import SLO, build, run_workload, summarize  # noqa: E402
 from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.contracts.engine_args import kv_transfer_args  # noqa: E402
 from hpcserve.contracts.router_client import list_replicas  # noqa: E402
 from tests.ports import free_ports  # noqa: E402
 
@@ -172,11 +173,16 @@ def sim_stack(
     model_dir: Path | None = None,
     work_dir: Path | None = None,
     start_timeout_s: float = 120.0,
+    pd: tuple[int, int] | None = None,
 ) -> Iterator[SimStack]:
     """Router + gateway + a fleet of ``replicas`` simulated engines; see the module doc.
 
     ``policy`` sets router.routing.policy; ``routing`` any other router.routing keys.
+    ``pd``: (prefill, decode) replicas of a disaggregated model instead (two fleets, pools
+    ``MODEL-prefill`` and ``MODEL-decode``, docs/disaggregation.md); ``replicas`` is ignored.
     """
+    if pd is not None:
+        replicas = sum(pd)
     with contextlib.ExitStack() as stack:
         work = work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
@@ -210,6 +216,18 @@ def sim_stack(
                     "engine": "sim",
                     "replicas": replicas,
                 }
+            ]
+            if pd is None
+            else [
+                {
+                    "name": f"{MODEL}-{role}",
+                    "served_model_name": MODEL,
+                    "model_path": str(model_path),
+                    "engine": "sim",
+                    "role": role,
+                    "replicas": n,
+                }
+                for role, n in zip(("prefill", "decode"), pd, strict=True)
             ],
         }
         config_file = work / "hpcserve.toml"
@@ -237,9 +255,7 @@ def sim_stack(
         _wait_gateway(base_url, services, logs, Path(config.metrics_token_path()))
         fleet_argv = [
             sys.executable, "-m", "hpcserve.sim.fleet",
-            "--replicas", str(replicas),
             "--router", registry,
-            "--pool", MODEL,
             "--served-model-name", MODEL,
             "--model", str(model_path),
             "--sim-gpu", sim_gpu,
@@ -248,7 +264,15 @@ def sim_stack(
             *(sim_args or []),
         ]  # fmt: skip
         started = time.monotonic()
-        services["fleet"] = spawn("fleet", fleet_argv)
+        if pd is None:
+            fleet = [*fleet_argv, "--replicas", str(replicas), "--pool", MODEL]
+            services["fleet"] = spawn("fleet", fleet)
+        else:
+            for role, n in zip(("prefill", "decode"), pd, strict=True):
+                # The pool manager renders this for a sim pool (contracts/engine_args.py).
+                transfer = kv_transfer_args(role, "sim", [])
+                fleet = [*fleet_argv, "--replicas", str(n), "--pool", f"{MODEL}-{role}"]
+                services[role] = spawn(role, [*fleet, "--role", role, *transfer])
         listed = _wait_listed(routing_ep, replicas, services, logs, start_timeout_s)
         start_s = time.monotonic() - started
         yield SimStack(

@@ -336,13 +336,17 @@ async def run_workload(
     api_key: str = "",
     timeout_s: float = 300.0,
     max_connections: int = 1024,
+    keepalive_timeout_s: float = 15.0,
 ) -> list[RequestResult]:
-    """Send every request at its arrival time (open loop) and measure each."""
+    """Send every request at its arrival time (open loop) and measure each.
+    keepalive_timeout_s: how long an idle connection is kept for the next request (aiohttp's
+    default 15 s); below the server's own (uvicorn: 5 s) a sparse workload never sends on a
+    connection the server is closing (ServerDisconnectedError)."""
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connector = aiohttp.TCPConnector(limit=max_connections)
+    connector = aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=keepalive_timeout_s)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         t0 = time.perf_counter()

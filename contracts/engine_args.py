@@ -58,22 +58,31 @@ def tool_call_args(parser: str) -> list[str]:
 # the KV-transfer connector each engine kind runs. NIXL moves KV between GPUs (RDMA, NVLink)
 # and needs the nixl package; the CPU build uses vLLM's ExampleConnector, which stores each
 # prompt's KV cache (full blocks) as files in a shared directory, keyed by the prompt's tokens.
+# The simulated engine models a transfer (sim/transfer.py) under its own name.
 NIXL_CONNECTOR = "NixlConnector"
 STORAGE_CONNECTOR = "ExampleConnector"
+SIM_CONNECTOR = "SimConnector"
 PD_ROLES = ("prefill", "decode")
 KV_TRANSFER_FLAG = "--kv-transfer-config"
+# The storage connector's directory is swept by the engines' janitors
+# (engine_launch/kv_janitor.py): entries older than this go (pools[].kv_transfer_ttl_s)...
+KV_TRANSFER_TTL_S = 300.0
+# ... and the oldest beyond this many MB (pools[].kv_transfer_max_mb).
+KV_TRANSFER_MAX_MB = 4096
 
 
 def kv_connector(engine: str) -> str:
-    """The connector a prefill or decode replica of `engine` runs ("" for the simulator)."""
-    return {"vllm": NIXL_CONNECTOR, "vllm-cpu": STORAGE_CONNECTOR}.get(engine, "")
+    """The connector a prefill or decode replica of `engine` runs ("": none known)."""
+    return {"vllm": NIXL_CONNECTOR, "vllm-cpu": STORAGE_CONNECTOR, "sim": SIM_CONNECTOR}.get(
+        engine, ""
+    )
 
 
 def kv_transfer_args(
     role: str, engine: str, engine_args: Sequence[str], storage_dir: str = ""
 ) -> list[str]:
     """`--kv-transfer-config` for a prefill or decode pool's engine; none for other roles,
-    for the simulator, or when the pool's engine_args configure the connector themselves.
+    or when the pool's engine_args configure the connector themselves.
 
     A prefill engine is kv_producer, a decode engine kv_consumer (vLLM 0.32 deprecates
     kv_both for NIXL); the storage connector keeps its files in `storage_dir`."""

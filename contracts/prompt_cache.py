@@ -340,6 +340,8 @@ class PromptCache:
         self.bytes = 0
         self.hit_tokens = 0  # prompt tokens found here
         self.miss_tokens = 0  # prompt tokens tokenized
+        self.miss_chars = 0  # characters tokenized (their tokens are miss_tokens)
+        self.deferred_tokens = 0  # estimated tokens of new last messages not tokenized
         self.evicted = 0
 
     def root(self, adapter: str) -> _Node:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -153,6 +154,10 @@ DEFAULT_CACHE_BYTES = 64 << 20
 VERIFY_FIRST = 8
 VERIFY_EVERY = 1000
 _GENERATION = ("g",)  # the trie's piece for the generation prompt after the last message
+# Short new last messages seen (deferred once, see _ModelHints.chat), per model, at most.
+SEEN_LAST_MAX = 1 << 16
+# Tokens per character of a deferred message until the model's own ratio is known.
+_TOKENS_PER_CHAR = 0.25
 _HINT_ERRORS = (ValueError, TypeError, KeyError, AttributeError, jinja2.TemplateError)
 _encode = msgspec.json.Encoder()
 
@@ -204,12 +209,19 @@ class _ModelHints:
     """One model's tokenizer, block size, prompt cache and how its prompts may be cut."""
 
     def __init__(
-        self, name: str, tokenizer: PromptTokenizer, block_size: int, cache_bytes: int
+        self,
+        name: str,
+        tokenizer: PromptTokenizer,
+        block_size: int,
+        cache_bytes: int,
+        defer_chars: int = 0,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.cache = PromptCache(block_size, cache_bytes)
+        self.defer_chars = defer_chars if cache_bytes else 0
+        self._seen_last: dict[int, None] = {}  # hashes of deferred last messages
         self.boundaries = Boundaries(tokenizer.tokenizer, tokenizer.boundary_candidates())
         self.chunks: MessageChunks | None = None
         self.mismatches = 0
@@ -266,38 +278,93 @@ class _ModelHints:
                     return HintsPlan(base, {**base, **self._result(final, adapter)})
             cache.touch(path)
             cache.hit_tokens += node.n
-        start = len(path) - 1
+            start = len(path) - 1
+            defer = self.defer_chars > 0 and start < len(messages) and self._first_sight(messages)
+        if defer and start == len(messages) - 1:  # only the deferred message is new
+            hints = self._deferred(node, messages[-1], adapter, chunks)
+            return HintsPlan(base, {**base, **hints})
         work = sum(
             len(str(m.get("content") or "")) for m in messages[start:] if isinstance(m, dict)
         )
         return HintsPlan(
             base,
-            finish=lambda: self._chat_chunked(node, messages, start, adapter, chunks),
+            finish=lambda: self._chat_chunked(node, messages, start, adapter, chunks, defer),
             work=work + 1,
         )
 
+    def _first_sight(self, messages: list[Any]) -> bool:
+        """Whether the last message is a short {role, content} message after others that
+        this gateway has not seen before (call with the cache's lock held).
+
+        Its blocks, and those of the generation prompt after it, can then be in no engine's
+        KV cache unless another gateway sent the same message: they are not tokenized (the
+        prompt's hashes end with the messages before it, its token count is estimated).
+        Seen again (a retry, a regenerated answer), it is tokenized and cached like any
+        other message. A hash collision makes a message count as seen: tokenized, exact."""
+        message = messages[-1]
+        if len(messages) < 2 or not isinstance(message, dict) or len(message) != 2:
+            return False
+        content = message.get("content")
+        if not isinstance(content, str) or len(content) > self.defer_chars:
+            return False
+        key = hash((message.get("role"), content, len(messages)))
+        seen = self._seen_last
+        if key in seen:
+            return False
+        seen[key] = None
+        if len(seen) > SEEN_LAST_MAX:
+            del seen[next(iter(seen))]
+        return True
+
+    def _deferred(
+        self, node: Any, message: dict[str, Any], adapter: str, chunks: MessageChunks
+    ) -> dict[str, Any]:
+        """The hints of a prompt whose last message is deferred: the full blocks before it,
+        and the token count estimated from the model's tokens per character so far."""
+        chars = len(node.pending) + len(chunks.chunk(message, False)) + len(chunks.generation)
+        cache = self.cache
+        ratio = (
+            cache.miss_tokens / cache.miss_chars if cache.miss_chars >= 4096 else _TOKENS_PER_CHAR
+        )
+        estimate = math.ceil(chars * ratio)
+        with cache.lock:
+            cache.deferred_tokens += estimate
+        out = self._result(node, adapter)
+        out["prompt_tokens"] = node.n + estimate
+        return out
+
     def _chat_chunked(
-        self, node: Any, messages: list[Any], start: int, adapter: str, chunks: MessageChunks
+        self,
+        node: Any,
+        messages: list[Any],
+        start: int,
+        adapter: str,
+        chunks: MessageChunks,
+        defer: bool = False,
     ) -> dict[str, Any]:
         texts: list[str] = []
         pendings: list[str] = []
         keys: list[tuple[Any, ...]] = []
         pending = node.pending
-        for i in range(start, len(messages)):
+        for i in range(start, len(messages) - 1 if defer else len(messages)):
             keys.append(_message_key(messages[i], i == 0))
             text = pending + chunks.chunk(messages[i], i == 0)
             cut = self.boundaries.last(text)
             texts.append(text[:cut])
             pending = text[cut:]
             pendings.append(pending)
-        texts.append(pending + chunks.generation)
+        if not defer:
+            texts.append(pending + chunks.generation)
         token_lists = self.tokenizer.encode_pieces(texts)
         cache = self.cache
         for key, tokens, rest in zip(keys, token_lists, pendings, strict=False):
             node = cache.extend(node, key, tokens, rest)
-        final = cache.extend(node, _GENERATION, token_lists[-1], "")
         with cache.lock:
             cache.miss_tokens += sum(map(len, token_lists))
+            cache.miss_chars += sum(map(len, texts))
+        if defer:
+            return self._deferred(node, messages[-1], adapter, chunks)
+        final = cache.extend(node, _GENERATION, token_lists[-1], "")
         if self._verify_due():
             whole = self._verify(messages, adapter, final)
             if whole is not None:
@@ -362,6 +429,7 @@ class _ModelHints:
                 node = cache.extend(node, ("t", piece), tokens, "")
             with cache.lock:
                 cache.miss_tokens += sum(map(len, token_lists))
+                cache.miss_chars += sum(map(len, rest))
         return self._result(node, adapter)
 
     # -- completions ----------------------------------------------------------------------
@@ -395,6 +463,7 @@ class _ModelHints:
             made = cache.extend(root, key, tokens, "")
             with cache.lock:
                 cache.miss_tokens += len(tokens)
+                cache.miss_chars += len(prompt)
             return self._result(made, adapter)
 
         return HintsPlan(base, finish=finish, work=len(prompt) + 1)
@@ -417,11 +486,14 @@ class RouteHints:
         tokenizer: PromptTokenizer,
         block_size: int,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        defer_chars: int = 0,
     ) -> None:
-        """cache_bytes: the model's prompt cache (0: none, every prompt tokenized whole)."""
+        """cache_bytes: the model's prompt cache (0: none, every prompt tokenized whole).
+        defer_chars: a chat's new last message of at most this many characters is not
+        tokenized the first time it is seen (`_ModelHints._first_sight`; 0: always is)."""
         if block_size <= 0:
             raise ValueError(f"block_size of {model!r} must be > 0, got {block_size}")
-        self._models[model] = _ModelHints(model, tokenizer, block_size, cache_bytes)
+        self._models[model] = _ModelHints(model, tokenizer, block_size, cache_bytes, defer_chars)
 
     def add_adapter(self, adapter: str, base_model: str) -> None:
         self._adapters[adapter] = base_model

@@ -182,7 +182,9 @@ class RouteReply(msgspec.Struct, frozen=True, tag="route_reply"):
     epoch: str = ""
     # What the picked replica serves: its registry version (name@version; empty for a
     # model_path pool) and, for a LoRA request, the adapter. The gateway labels its online
-    # quality metrics with them (gateway/quality.py), which staged rollouts compare.
+    # quality metrics with them (gateway/quality.py), which staged rollouts compare. With no
+    # replica: the version an alias or adapter asked for resolves to (ReplicaList.
+    # unserved_refs), so the gateway holds it for the pool at zero that serves it.
     model_ref: str = ""
     adapter: str = ""
     # Disaggregated prefill and decode: the prefill replica picked for the request (empty:
@@ -220,6 +222,11 @@ class ModelList(msgspec.Struct, frozen=True, tag="model_list"):
 
 class ListReplicas(msgspec.Struct, frozen=True, tag="list_replicas"):
     request_id: int
+    # The pool manager's word on the switch topology (Slurm's topology/tree): node -> its
+    # leaf switch, for the decode replica's locality (router/policies/pd_roles.py); {}: the
+    # site has none. None (gateways, CLI commands): says nothing, the router keeps what it
+    # has. The pool manager sends it when it changed and once to each router epoch.
+    node_switches: dict[str, str] | None = None
 
 
 class ReplicaInfo(msgspec.Struct, frozen=True):
@@ -239,6 +246,8 @@ class ReplicaInfo(msgspec.Struct, frozen=True):
     # Requests routed to it since it registered (the pool manager's autoscaler tells an idle
     # pool from one whose short requests fall between its polls: poolmgr/autoscale.py).
     routed: int = 0
+    # Its node's leaf switch as the router knows it (ListReplicas.node_switches); "": none.
+    switch: str = ""
 
 
 class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
@@ -251,6 +260,11 @@ class ReplicaList(msgspec.Struct, frozen=True, tag="replica_list"):
     # Model name -> seconds since the router last answered a Route for it without a replica
     # (within the last hour): demand for a pool scaled to zero, which the pool manager wakes.
     unserved: dict[str, float] = {}
+    # The same for the registry version an unserved alias or LoRA adapter resolved to
+    # (name@version; an adapter bound to no version: its base model's name). A pool at zero
+    # has no replica to tell the router its served name: the pool manager maps these to the
+    # pools whose model_ref resolves to them (poolmgr/wake_names.py).
+    unserved_refs: dict[str, float] = {}
 
 
 class InFlight(msgspec.Struct, frozen=True, tag="in_flight"):
@@ -341,6 +355,19 @@ class CanaryReport(msgspec.Struct, frozen=True, tag="canary_report"):
     detail: str = ""
 
 
+class KvCleanupReport(msgspec.Struct, frozen=True, tag="kv_cleanup_report"):
+    """A sweep of the storage connector's directory (pools[].kv_transfer_dir) by a prefill or
+    decode replica's janitor (engine_launch/kv_janitor.py) that removed something: entries
+    past their TTL, and the oldest beyond the byte cap. The router counts them. No reply."""
+
+    replica_id: str
+    expired: int = 0
+    expired_bytes: int = 0
+    over_cap: int = 0
+    over_cap_bytes: int = 0
+    left_bytes: int = 0  # what the directory still holds
+
+
 class HealthEvent(msgspec.Struct, frozen=True):
     seq: int
     at: float  # epoch seconds, the router's clock
@@ -366,7 +393,15 @@ class HealthEvents(msgspec.Struct, frozen=True, tag="health_events"):
     events: list[HealthEvent] = []
 
 
-RegistryMessage = Register | Heartbeat | Deregister | AdapterLoaded | HealthReport | CanaryReport
+RegistryMessage = (
+    Register
+    | Heartbeat
+    | Deregister
+    | AdapterLoaded
+    | HealthReport
+    | CanaryReport
+    | KvCleanupReport
+)
 RegistryReply = RegistryAck | ReRegister | LoadAdapter
 RoutingMessage = (
     Route | Release | ListModels | ListReplicas | QuotaReport | ListHealthEvents | InFlight

@@ -25,9 +25,17 @@ def list_replicas(
     return replica_list(endpoint, timeout_s, curve_dir=curve_dir).replicas
 
 
-def replica_list(endpoint: str, timeout_s: float = 2.0, *, curve_dir: str = "") -> p.ReplicaList:
-    """The router's whole answer: the replicas, and its unserved demand per model."""
-    reply = _ask(endpoint, p.ListReplicas(next(_ids)), timeout_s, curve_dir)
+def replica_list(
+    endpoint: str,
+    timeout_s: float = 2.0,
+    *,
+    curve_dir: str = "",
+    node_switches: dict[str, str] | None = None,
+) -> p.ReplicaList:
+    """The router's whole answer: the replicas, and its unserved demand per model.
+    node_switches: the switch topology for the router (the pool manager's; None: none)."""
+    request = p.ListReplicas(next(_ids), node_switches=node_switches)
+    reply = _ask(endpoint, request, timeout_s, curve_dir)
     assert isinstance(reply, p.ReplicaList)
     return reply
 

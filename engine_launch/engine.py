@@ -47,7 +47,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpcserve.contracts import protocol as p
-from hpcserve.contracts.engine_args import NIXL_CONNECTOR, kv_connector_of, kv_storage_dir_of
+from hpcserve.contracts.engine_args import (
+    KV_TRANSFER_MAX_MB,
+    KV_TRANSFER_TTL_S,
+    NIXL_CONNECTOR,
+    PD_ROLES,
+    STORAGE_CONNECTOR,
+    kv_connector_of,
+    kv_storage_dir_of,
+)
 from hpcserve.contracts.engine_token import FILE_ENV, EngineTokenError, read_token
 from hpcserve.contracts.private_files import private_dir
 from hpcserve.engine_launch.agent import RegistryAgent
@@ -63,6 +71,7 @@ from hpcserve.engine_launch.engine_ports import (
     respec,
     taken_ports,
 )
+from hpcserve.engine_launch.kv_janitor import MB, JanitorThread, KvJanitor
 from hpcserve.engine_launch.kv_relay import KvEventRelay
 from hpcserve.engine_launch.lifeline import HeadLink, WorkerLink
 from hpcserve.engine_launch.load import parse_vllm_load
@@ -130,6 +139,10 @@ class EngineOptions:
     # The version's golden record (numerical canaries, health/canary.py): checked before the
     # replica registers and then by the health monitor. Empty: no canary.
     canary_record: str = ""
+    # A prefill or decode replica on the storage connector sweeps its directory
+    # (engine_launch/kv_janitor.py): pools[].kv_transfer_ttl_s and kv_transfer_max_mb.
+    kv_transfer_ttl_s: float = KV_TRANSFER_TTL_S
+    kv_transfer_max_mb: int = KV_TRANSFER_MAX_MB
 
 
 class EngineFailed(RuntimeError):
@@ -240,6 +253,22 @@ class EngineRunner:
         self._gave_up = ""  # the health monitor gave up on this engine: stop vLLM hard
         self.engine_token = ""  # load_engine_token(); never logged
         self.port_grace_s = 5.0
+        self.kv_janitor = self._kv_janitor()
+
+    def _kv_janitor(self) -> JanitorThread | None:
+        """A prefill or decode replica on the storage connector (rank 0) sweeps its directory
+        (kv_janitor.py); NIXL replicas and all others have no files to sweep."""
+        storage = kv_storage_dir_of(self.options.extra_args)
+        if (
+            self.kv_connector != STORAGE_CONNECTOR
+            or not storage
+            or self.options.role not in PD_ROLES
+            or self.node_rank != 0
+        ):
+            return None
+        ttl_s = self.options.kv_transfer_ttl_s
+        janitor = KvJanitor(Path(storage), ttl_s, self.options.kv_transfer_max_mb * MB)
+        return JanitorThread(janitor, JanitorThread.interval_for(ttl_s))
 
     def _set_urls(self) -> None:
         bind_host = self.options.bind_host
@@ -527,6 +556,8 @@ class EngineRunner:
             agent.on_load_adapter = self.lora.submit
         agent.register()
         self.health = self._start_health(agent)
+        if self.kv_janitor is not None:
+            self.kv_janitor.start()
         last_load = p.ReplicaLoad()
         while not self._stop.is_set():
             code = self.process.poll()
@@ -542,6 +573,17 @@ class EngineRunner:
                     self.health.step()
                 for answer in self.lora.answers() if self.lora else ():
                     agent.send(answer)
+                for sweep in self.kv_janitor.reports() if self.kv_janitor else ():
+                    agent.send(
+                        p.KvCleanupReport(
+                            self.replica_id,
+                            sweep.expired,
+                            sweep.expired_bytes,
+                            sweep.over_cap,
+                            sweep.over_cap_bytes,
+                            sweep.left_bytes,
+                        )
+                    )
 
     def _start_health(self, agent: RegistryAgent) -> EngineHealth | None:
         from hpcserve.health.replica import EngineHealth
@@ -762,6 +804,8 @@ class EngineRunner:
             agent.close()
             if self.health is not None:
                 self.health.stop()
+            if self.kv_janitor is not None:
+                self.kv_janitor.stop()
             code = self.stop_vllm()
             self.close_kv_events()
             self.release_ports()

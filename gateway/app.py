@@ -161,6 +161,9 @@ class Gateway:
         # Models of pools that scale to zero -> how long a request for one with no replica is
         # held while the pool wakes (pools[].autoscale.wake_budget_s; set by server.py).
         self.wake_budgets: dict[str, float] = {}
+        # Registry version (name@version) -> the served name of the pool at zero serving it:
+        # a request for an alias or adapter of it is held too (set by server.py).
+        self.wake_versions: dict[str, str] = {}
         # One of several worker processes on this port (set by server.py; gateway/workers.py).
         self.workers: WorkerSet | None = None
         self._hint_pool: ThreadPoolExecutor | None = None
@@ -354,15 +357,23 @@ class Gateway:
             except RouterUnavailable as err:
                 log.warning("routing failed: %s", err)
                 decision = None
+            wake = self._waking_pool(model, decision)
             if (
-                decision is not None
-                and not decision.replica_id
+                wake
+                and decision is not None
                 and not exclude
-                and model in self.wake_budgets
                 and not (self.external is not None and self.external.takes(tenant, model))
             ):
                 # A pool at zero: its Routes wake it (router/unserved.py); hold the request.
-                decision = await self._hold_for_wake(model, tenant.config.priority, hints)
+                try:
+                    decision = await self._hold_for_wake(
+                        model, wake, tenant.config.priority, hints, request._receive
+                    )
+                except errors.APIError as err:  # the client went away meanwhile
+                    # A pool's served name, or an alias or adapter the registry knows.
+                    request.scope["hpcserve.model"] = model
+                    _end(span, err.status)
+                    raise
             waited = time.perf_counter() - started
             self.metrics.queue.observe(waited)
             if span is not None:
@@ -374,8 +385,9 @@ class Gateway:
                     and decision is not None
                     and not exclude
                     # A LoRA adapter not loaded in time, an alias without replicas, a queue
-                    # over budget: the name exists (503 or overflow).
+                    # over budget, a name of a pool at zero: the name exists (503 or overflow).
                     and decision.error == "no_replica"
+                    and not wake
                 ):
                     _end(span, 404)
                     raise errors.model_not_found(model)
@@ -401,9 +413,9 @@ class Gateway:
                     _end(span, failure.status)
                     raise failure
                 _end(span, 503)
-                if model in self.wake_budgets:
+                if wake:
                     raise errors.model_starting(
-                        model, self.wake_budgets[model], wake_retry_after(self.wake_budgets[model])
+                        model, self.wake_budgets[wake], wake_retry_after(self.wake_budgets[wake])
                     )
                 raise errors.no_replica(model)
             # Only routable names become metric labels: client input must not grow the series.
@@ -480,22 +492,27 @@ class Gateway:
         then computes the prompt itself). The prefill replica is released either way."""
         try:
             if endpoint not in disagg.GENERATING:
-                self.metrics.pd_requests.labels(model, "not_generating").inc()
+                self.metrics.pd_requests.labels(model, "not_generating", "").inc()
                 return body, False
             try:
                 params = await disagg.prefill(
-                    self.relay, decision.prefill_url + endpoint, body, headers
+                    self.relay,
+                    decision.prefill_url + endpoint,
+                    body,
+                    headers,
+                    self.config.pd_prefill_timeout_s,
                 )
             except disagg.PrefillFailed as err:
                 log.warning(
-                    "prefill on replica %s failed, decode replica %s computes the prompt: %s",
+                    "prefill on replica %s failed (%s), decode replica %s computes the prompt: %s",
                     decision.prefill_replica_id,
+                    err.reason,
                     decision.replica_id,
                     err,
                 )
-                self.metrics.pd_requests.labels(model, "prefill_failed").inc()
+                self.metrics.pd_requests.labels(model, "prefill_failed", err.reason).inc()
                 return body, True
-            self.metrics.pd_requests.labels(model, "transferred").inc()
+            self.metrics.pd_requests.labels(model, "transferred", "").inc()
             return disagg.decode_body(body, params), False
         finally:
             self.routing.release(decision.prefill_replica_id, model)
@@ -545,26 +562,63 @@ class Gateway:
         finally:
             self._hints_waiting -= 1
 
+    def _waking_pool(self, model: str, decision: RouteReply | None) -> str:
+        """The served name of the pool that may be at zero a request for `model` without a
+        replica waits for: `model` itself, or the pool serving the registry version its
+        alias or adapter resolved to (RouteReply.model_ref; a base model's name for an
+        adapter bound to no version); "": none (a replica was found)."""
+        if decision is not None and decision.replica_id:
+            return ""
+        if model in self.wake_budgets:
+            return model
+        if decision is None or not decision.model_ref:
+            return ""
+        ref = decision.model_ref
+        if "@" in ref:
+            return self.wake_versions.get(ref, "")
+        return next(
+            (pool for v, pool in sorted(self.wake_versions.items()) if v.split("@")[0] == ref), ""
+        )
+
     async def _hold_for_wake(
-        self, model: str, priority: str, hints: Mapping[str, Any]
+        self, model: str, pool: str, priority: str, hints: Mapping[str, Any], receive: Any
     ) -> RouteReply | None:
         """Hold a request for a model whose pool is at zero (or still starting) until a
-        replica of it serves, up to its wake budget: ask the router again every
+        replica of it serves, up to its wake budget (`pool`: the pool's served name, which
+        `model` is, or an alias or adapter of its version): ask the router again every
         WAKE_POLL_S (each Route that finds no replica is the demand that wakes the pool).
         Nothing is sent to the client meanwhile, streaming or not. None, or a reply without
-        a replica: the budget ran out."""
-        deadline = time.monotonic() + self.wake_budgets[model]
+        a replica: the budget ran out. A client that disconnects (http.disconnect on the
+        ASGI `receive` channel, whose body is read already) ends the hold at once, so its
+        Routes no longer keep the pool awake: raises errors.client_gone (499)."""
+        deadline = time.monotonic() + self.wake_budgets[pool]
+        held = time.monotonic()
         decision: RouteReply | None = None
-        while (left := deadline - time.monotonic()) > 0:
-            await asyncio.sleep(min(WAKE_POLL_S, left))
-            try:
-                decision = await self.routing.route(model, priority=priority, **hints)
-            except RouterUnavailable:
-                continue
-            if decision.replica_id:
-                self.metrics.wake_holds.labels(model, "served").inc()
-                return decision
-        self.metrics.wake_holds.labels(model, "timeout").inc()
+        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                await asyncio.wait((gone,), timeout=min(WAKE_POLL_S, left))
+                if gone.done():
+                    why = "disconnected" if gone.exception() is None else repr(gone.exception())
+                    self.metrics.wake_holds.labels(pool, "disconnected").inc()
+                    log.debug(
+                        "a request held for %s (pool at zero) is no longer held after %.1f s: "
+                        "its client %s",
+                        model,
+                        time.monotonic() - held,
+                        why,
+                    )
+                    raise errors.client_gone()
+                try:
+                    decision = await self.routing.route(model, priority=priority, **hints)
+                except RouterUnavailable:
+                    continue
+                if decision.replica_id:
+                    self.metrics.wake_holds.labels(pool, "served").inc()
+                    return decision
+        finally:
+            gone.cancel()
+        self.metrics.wake_holds.labels(pool, "timeout").inc()
         return decision
 
     async def _overflow(

@@ -12,8 +12,8 @@ The parameters are those of vLLM's NixlConnector (the prefill answers with its e
 block ids and side-channel address, which the decode passes on); the CPU build's storage
 connector (ExampleConnector) ignores them and finds the stored KV by the prompt's tokens.
 
-Failure: a prefill step that fails (unreachable, an error status, silent past
-gateway.upstream_timeout_s) is not the client's failure. The decode replica then gets the
+Failure: a prefill step that fails (unreachable, an error status, not answered within
+gateway.pd_prefill_timeout_s) is not the client's failure. The decode replica then gets the
 request without transfer parameters and computes the prompt itself (counted as
 prefill_failed), and the prefill replica is excluded should the decode fail too. A decode
 failure before its first byte is retried like any other (gateway/app.py); after it, the
@@ -22,6 +22,7 @@ stream ends with an error event. Either way a bounded wait: never a hang.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -80,22 +81,45 @@ def decode_body(body: bytes, params: Mapping[str, Any] | None) -> bytes:
     return _encode(payload)
 
 
+# Why a prefill step failed (the `reason` of hpcserve_gateway_pd_requests): not answered
+# within gateway.pd_prefill_timeout_s; not reached or broke off; an error status or an
+# answer that is no completion.
+TIMEOUT, UNREACHABLE, ERROR = "timeout", "unreachable", "error"
+
+
 class PrefillFailed(Exception):
-    pass
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 async def prefill(
-    relay: Relay, url: str, body: bytes, headers: Mapping[str, str]
+    relay: Relay,
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    timeout_s: float | None = None,
 ) -> dict[str, Any] | None:
     """Run the prefill step on `url` (the prefill replica's endpoint URL); its transfer
-    parameters (None: it answered none). Raises PrefillFailed, with why."""
+    parameters (None: it answered none). Raises PrefillFailed, with why. A step not answered
+    within `timeout_s` (gateway.pd_prefill_timeout_s) is abandoned: its connection is
+    closed, which makes vLLM abort the request. The relay's own timeout
+    (gateway.upstream_timeout_s) bounds it as well, and alone when timeout_s is None."""
     try:
-        status, payload = await relay.call(url, prefill_body(body), headers)
-    except APIError as err:  # unreachable, broke off, or silent past the timeout
-        raise PrefillFailed(err.message) from None
+        async with asyncio.timeout(timeout_s):
+            status, payload = await relay.call(url, prefill_body(body), headers)
+    except TimeoutError:
+        raise PrefillFailed(
+            f"{url} did not answer within {timeout_s:g}s (gateway.pd_prefill_timeout_s)", TIMEOUT
+        ) from None
+    except APIError as err:  # unreachable, broke off, or silent past the relay's timeout
+        reason = TIMEOUT if err.code == "upstream_timeout" else UNREACHABLE
+        raise PrefillFailed(err.message, reason) from None
     if status != 200:
-        raise PrefillFailed(f"{url} answered {status}: {payload[:200]!r}")
+        raise PrefillFailed(f"{url} answered {status}: {payload[:200]!r}", ERROR)
     try:
         return _answer.decode(payload).kv_transfer_params
     except msgspec.DecodeError as err:
-        raise PrefillFailed(f"{url} answered something else than a completion: {err}") from None
+        raise PrefillFailed(
+            f"{url} answered something else than a completion: {err}", ERROR
+        ) from None

@@ -229,6 +229,12 @@ def model_starting(model: str, waited_s: float, retry_after_s: int) -> APIError:
     )
 
 
+def client_gone() -> APIError:
+    """The client disconnected before its request was sent anywhere (held for a pool at
+    zero): 499 in the metrics and the audit log, as for a stream it cut; nobody reads it."""
+    return APIError(499, "The client closed the connection", code="client_closed_request")
+
+
 def upstream_timeout(setting: str, seconds: float) -> APIError:
     return APIError(
         504,

@@ -224,13 +224,15 @@ class GatewayMetrics:
             "hpcserve_gateway_pd_requests",
             "Disaggregated requests by prefill outcome (transferred: prefilled on the prefill "
             "replica, decoded on the decode replica; prefill_failed: the decode replica "
-            "computed the prompt itself; not_generating: an endpoint without a decode)",
-            ["model", "outcome"],
+            "computed the prompt itself, reason timeout, unreachable or error; "
+            "not_generating: an endpoint without a decode)",
+            ["model", "outcome", "reason"],
         )
         self.wake_holds = Counter(
             "hpcserve_gateway_wake_holds",
             "Requests held for a model with no replica whose pool scales to zero, by outcome "
-            "(served: a replica came within autoscale.wake_budget_s; timeout: answered 503)",
+            "(served: a replica came within autoscale.wake_budget_s; timeout: answered 503; "
+            "disconnected: the client went away while held, and the gateway stopped asking)",
             ["model", "outcome"],
         )
         self.hints_skipped = Counter(

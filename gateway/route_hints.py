@@ -42,7 +42,9 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
         except Exception as err:  # a bad tokenizer must not stop the gateway
             log.warning("pool %s: no prefix-aware routing (tokenizer: %s)", pool.name, err)
             continue
-        hints.add_model(pool.model, tokenizer, size, cache_bytes)
+        hints.add_model(
+            pool.model, tokenizer, size, cache_bytes, config.gateway.prompt_defer_chars
+        )
         log.info("pool %s: prefix-aware routing with %d-token blocks", pool.name, size)
         if pool.max_loras:
             # A request naming an adapter is hashed from the adapter's chain seed, as the
@@ -90,8 +92,9 @@ class PromptCacheMetrics(Collector):
         tokens = CounterMetricFamily(
             "hpcserve_gateway_prompt_cache_tokens",
             "Prompt tokens of prefix-hinted requests by model: hit (their rendering, tokens "
-            "and block hashes came from the prompt cache) or miss (rendered and tokenized); "
-            "the hit rate is hit / (hit + miss)",
+            "and block hashes came from the prompt cache), miss (rendered and tokenized) or "
+            "deferred (a new last message's, estimated, not tokenized: "
+            "gateway.prompt_defer_chars); the hit rate is hit / (hit + miss)",
             labels=["model", "result"],
         )
         size = GaugeMetricFamily(
@@ -119,6 +122,7 @@ class PromptCacheMetrics(Collector):
         for model, cache, mismatch_count, chunked in self.hints.cache_stats():
             tokens.add_metric([model, "hit"], cache.hit_tokens)
             tokens.add_metric([model, "miss"], cache.miss_tokens)
+            tokens.add_metric([model, "deferred"], cache.deferred_tokens)
             size.add_metric([model], cache.bytes)
             evicted.add_metric([model], cache.evicted)
             mismatches.add_metric([model], mismatch_count)

@@ -19,6 +19,7 @@ from hpcserve.contracts.private_files import private_dir
 from hpcserve.contracts.zmtp_curve import routing_client_keys
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.batch.service import BatchService
+from hpcserve.gateway.gc_tune import tune_gc
 from hpcserve.gateway.route_hints import register_cache_metrics, route_hints_for
 from hpcserve.gateway.workers import (
     WorkerSet,
@@ -55,8 +56,43 @@ def build_gateway_app(  # type: ignore[no-untyped-def]
         for pool in config.pools
         if pool.autoscale is not None and pool.autoscale.min == 0
     }
+    gateway.wake_versions = wake_versions(config)
     gateway.workers = workers
     return build_app(gateway)
+
+
+def wake_versions(config: PlatformConfig) -> dict[str, str]:
+    """Registry version (name@version) -> the served name of the pool that may scale to zero
+    (autoscale.min = 0) serving it, for pools with a model_ref: a request for an alias or a
+    LoRA adapter of that version is held while the pool wakes, as one for its served name is
+    (RouteReply.model_ref names the version). Read at start: a model_ref naming an alias or
+    a bare model follows a promote or a new version at the next start. A registry that
+    cannot be read: {} (logged), and such requests get 503 at once."""
+    pools = [p for p in config.pools if p.autoscale and p.autoscale.min == 0 and p.model_ref]
+    path = Path(config.registry_path())
+    if not pools or not path.exists():
+        return {}
+    import sqlite3
+
+    from hpcserve.modelcache.registry import Registry, RegistryError
+
+    out: dict[str, str] = {}
+    try:
+        with Registry(path) as registry:
+            for pool in pools:
+                try:
+                    out[registry.version(pool.model_ref).ref] = pool.model
+                except RegistryError as err:
+                    log.warning(
+                        "pool %s: requests for its aliases and adapters are not held while it "
+                        "wakes: %s",
+                        pool.name,
+                        err,
+                    )
+    except (OSError, sqlite3.Error) as err:
+        log.warning("cannot read the model registry %s: requests for the aliases and adapters "
+                    "of pools at zero are not held: %s", path, err)  # fmt: skip
+    return out
 
 
 def tls_settings(gateway: GatewayConfig) -> dict[str, Any]:
@@ -128,4 +164,5 @@ def _serve(config: PlatformConfig, workers: WorkerSet | None, sockets: list[sock
             **tls,
         )
     )
+    tune_gc()  # after the app is built: its long-lived objects are frozen
     server.run(sockets=sockets or None)

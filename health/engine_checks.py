@@ -7,6 +7,8 @@ counters must move while it has running requests.
   kind the engine takes is learnt on the first answer.
 - TokenProgress (pure): fed vLLM's /metrics text; a finding when requests run and the
   prompt + generation token counters have not moved for `stall_s`.
+- busy_not_broken (pure): a probe that timed out behind a queue while tokens flow is an
+  overloaded engine, not a broken one (taking it out of routing would fail its clients).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ProbeResult:
     ok: bool
     detail: str  # why not, e.g. "no answer within 5s"; when ok, why it could not probe
     seconds: float
+    timed_out: bool = False  # no answer within the deadline (not an error answer)
 
 
 class GenerationProbe:
@@ -60,14 +63,14 @@ class GenerationProbe:
                 refused = f"{path} answered {status}"
                 continue  # this model does not serve that kind of request
             if status is None and error.startswith("no answer"):
-                error = f"no answer within {deadline_s:g}s"
+                return ProbeResult(False, f"no answer within {deadline_s:g}s", spent, True)
             return ProbeResult(False, error, spent)
         spent = time.monotonic() - started
         if refused and spent < deadline_s:
             # It answered, so its API is up, but no probe fits this model: only the token
             # counters can tell whether its core works.
             return ProbeResult(True, f"cannot probe: engine refused every probe ({refused})", spent)
-        return ProbeResult(False, f"no answer within {deadline_s:g}s", spent)
+        return ProbeResult(False, f"no answer within {deadline_s:g}s", spent, True)
 
     def _post(self, path: str, body: dict[str, object], timeout_s: float) -> tuple[int | None, str]:
         request = urllib.request.Request(
@@ -94,11 +97,13 @@ class GenerationProbe:
 class Counters:
     tokens: float  # prompt + generation tokens, summed over label sets
     running: int
+    waiting: int = 0
 
 
 def parse_counters(metrics_text: str) -> Counters:
     tokens = 0.0
     running = 0.0
+    waiting = 0.0
     for line in metrics_text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -111,7 +116,18 @@ def parse_counters(metrics_text: str) -> Counters:
             tokens += value
         elif name == "vllm:num_requests_running":
             running += value
-    return Counters(tokens=tokens, running=int(running))
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+    return Counters(tokens=tokens, running=int(running), waiting=int(waiting))
+
+
+def busy_not_broken(before: Counters | None, after: Counters | None) -> bool:
+    """Whether a probe that timed out between these two readings waited behind a queue of
+    an engine that makes progress: requests wait, and the token counters moved. A hung
+    engine's counters do not move (TokenProgress reports it after stall_s)."""
+    if before is None or after is None:
+        return False
+    return after.waiting > 0 and after.tokens > before.tokens
 
 
 class TokenProgress:

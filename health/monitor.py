@@ -27,7 +27,12 @@ from hpcserve.config import HealthConfig
 from hpcserve.contracts.health_policy import severity, worst_action
 from hpcserve.contracts.protocol import HealthFinding
 from hpcserve.health.canary import CanaryOutcome, CanaryWatch
-from hpcserve.health.engine_checks import GenerationProbe, TokenProgress, parse_counters
+from hpcserve.health.engine_checks import (
+    GenerationProbe,
+    TokenProgress,
+    busy_not_broken,
+    parse_counters,
+)
 from hpcserve.health.gpu_checks import GpuChecks, XidWatcher, parse_visible_devices, select_gpus
 from hpcserve.health.nvml import NvmlUnavailable, fake_state_path, open_nvml
 from hpcserve.health.policy import Policy
@@ -148,6 +153,7 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._unprobeable_logged = False
+        self._busy = False  # the last probe timed out behind a queue of a working engine
 
     def start(self) -> None:
         targets = [("health-checks", self._check_loop)]
@@ -185,15 +191,34 @@ class HealthMonitor:
         findings = list(self.gpu_checks.run()) if self.gpu_checks is not None else []
         if not self.engine_url:  # a node rank > 0: its GPUs only, rank 0 probes the engine
             return Report(findings, round=True)
+        metrics_deadline_s = min(self.config.probe_deadline_s, 5)
+        text = _http_text(self.engine_url + "/metrics", metrics_deadline_s)
+        before = parse_counters(text) if text is not None else None
         result = self.probe.run(self.config.probe_deadline_s)
+        text = _http_text(self.engine_url + "/metrics", metrics_deadline_s)
+        after = parse_counters(text) if text is not None else None
+        busy = result.timed_out and busy_not_broken(before, after)
+        if busy != self._busy:
+            self._busy = busy
+            if busy:
+                assert after is not None
+                log.warning(
+                    "health: engine probe: %s behind %d waiting while tokens flow: "
+                    "busy, not broken (stays in routing)",
+                    result.detail,
+                    after.waiting,
+                )
+            else:
+                log.info("health: engine probe answers again within its deadline")
         if not result.ok:
-            findings.append(self.policy.finding("engine_probe", f"engine probe: {result.detail}"))
+            if not busy:  # busy: the token-progress check below still catches a hang
+                finding = self.policy.finding("engine_probe", f"engine probe: {result.detail}")
+                findings.append(finding)
         elif result.detail and not self._unprobeable_logged:
             log.warning("health: %s; relying on the token counters", result.detail)
             self._unprobeable_logged = True
-        text = _http_text(self.engine_url + "/metrics", min(self.config.probe_deadline_s, 5))
-        if text is not None:
-            stalled = self.progress.update(parse_counters(text), time.monotonic())
+        if after is not None:
+            stalled = self.progress.update(after, time.monotonic())
             if stalled:
                 findings.append(self.policy.finding("engine_stall", f"engine stalled: {stalled}"))
         outcome = None

@@ -17,6 +17,7 @@ from hpcserve.config import (
     config_path,
     load_config,
 )
+from hpcserve.contracts.engine_args import KV_TRANSFER_MAX_MB, KV_TRANSFER_TTL_S
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -183,6 +184,8 @@ def cmd_engine(args: argparse.Namespace) -> int:
         role=args.role,
         engine_token_file=args.engine_token_file,
         canary_record=args.canary_record,
+        kv_transfer_ttl_s=args.kv_transfer_ttl_s,
+        kv_transfer_max_mb=args.kv_transfer_max_mb,
     )
     try:
         runner = EngineRunner(options)
@@ -484,6 +487,21 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["interactive", "batch", "prefill", "decode"],
         default=os.environ.get("HPCSERVE_POOL_ROLE", "interactive"),
         help="the pool's role, told to the router (default: $HPCSERVE_POOL_ROLE or interactive)",
+    )
+    p.add_argument(
+        "--kv-transfer-ttl-s",
+        type=float,
+        default=float(os.environ.get("HPCSERVE_KV_TRANSFER_TTL_S", KV_TRANSFER_TTL_S)),
+        help="a prefill or decode engine on the storage connector removes its directory's "
+        "entries this long after they were written (default: $HPCSERVE_KV_TRANSFER_TTL_S "
+        f"or {KV_TRANSFER_TTL_S:g})",
+    )
+    p.add_argument(
+        "--kv-transfer-max-mb",
+        type=int,
+        default=int(os.environ.get("HPCSERVE_KV_TRANSFER_MAX_MB", KV_TRANSFER_MAX_MB)),
+        help="... and the oldest while the directory holds more than this (default: "
+        f"$HPCSERVE_KV_TRANSFER_MAX_MB or {KV_TRANSFER_MAX_MB})",
     )
     p.add_argument("engine_args", nargs=argparse.REMAINDER, help="after --: extra vLLM arguments")
     p.set_defaults(func=cmd_engine)

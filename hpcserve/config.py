@@ -17,6 +17,8 @@ from typing import Annotated, Literal, get_args
 
 import msgspec
 
+from hpcserve.contracts.engine_args import KV_TRANSFER_MAX_MB, KV_TRANSFER_TTL_S
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -203,6 +205,12 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     port: Port = 8000
     # An upstream engine that sends nothing for this long fails the request with 504.
     upstream_timeout_s: PosFloat = 600.0
+    # Disaggregated prefill and decode (docs/disaggregation.md): a prefill step not answered
+    # within this many seconds (connect, queue and compute together) is abandoned and the
+    # decode replica computes the prompt itself. upstream_timeout_s is sized for a whole
+    # generation; a one-token prefill that takes a minute means a backlogged or stuck
+    # prefill replica, and the TTFT is lost anyway. The lower of the two applies.
+    pd_prefill_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 60.0
     # How long a request may wait for the router's answer before 503.
     route_timeout_s: PosFloat = 2.0
     # How often the gateway copies the router's replica set, which it routes on while the
@@ -257,6 +265,12 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # leading parts already rendered, tokenized and hashed (system prompts, earlier turns),
     # so they are never tokenized again; 0 turns the cache off.
     prompt_cache_mb: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 64
+    # A chat's new last message of at most this many characters, seen for the first time,
+    # is not tokenized for the prefix hints: no engine can hold its blocks unless it was
+    # sent before (seen again, a retry or a regenerated answer, it is). The hints then end
+    # with the earlier messages' blocks and the prompt's token count is estimated. 0: every
+    # message is tokenized (docs/architecture.md, "Prefix hints").
+    prompt_defer_chars: Annotated[int, msgspec.Meta(ge=0)] = 1024
     # Prefix hints only for a model the routing view lists at least this many replicas of:
     # with one there is no choice for them to change (1: always, e.g. to check the hashes).
     prefix_hints_min_replicas: Annotated[int, msgspec.Meta(ge=1)] = 2
@@ -311,6 +325,23 @@ class PoolMgrConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # vLLM /metrics), for `file_sd_configs` (deploy/prometheus/prometheus.example.yml);
     # empty: not written.
     scrape_targets_file: str = ""
+    # For rehearsals and benchmarks only (bench/autoscale_day.py), never a production site:
+    # - local_queue_wait_s: the local launcher keeps each job PENDING (reason Priority) for a
+    #   time drawn from an exponential distribution of this mean (s) before it starts it,
+    #   standing in for Slurm's queue wait; the draw is seeded by local_queue_seed and the
+    #   job's number, so a run repeats. 0: jobs start at once. Local launcher only.
+    # - rehearsal_speedup: the autoscaler (poolmgr/autoscale_pools.py) sees a day compressed
+    #   in time: its clock reads rehearsal_day_start (epoch s) at the real time
+    #   rehearsal_real_start (epoch s) and runs this many times faster than real time, so
+    #   its windows, cooldowns, idle time, SLO windows and the forecast's slices and
+    #   quarter hours shrink by this factor; measured durations it is given (cold starts,
+    #   the router's unserved ages) are stretched by it, and each request counts as this
+    #   many in the arrival forecast (a compressed day's traffic at its real rate). 1: off.
+    local_queue_wait_s: NonNegFloat = 0.0
+    local_queue_seed: int = 0
+    rehearsal_speedup: Annotated[float, msgspec.Meta(ge=1)] = 1.0
+    rehearsal_real_start: NonNegFloat = 0.0
+    rehearsal_day_start: NonNegFloat = 0.0
 
 
 Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
@@ -368,7 +399,10 @@ class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     replicas, for `scale_up_window_s`; straight to the size the load needs. It shrinks one
     replica at a time, only once the load has fitted one replica fewer at
     `scale_down_utilization` of `target_in_flight` for `scale_down_window_s`, and
-    `scale_down_cooldown_s` after any change; the replica drains (no request fails).
+    `scale_down_cooldown_s` after any change; the replica drains (no request fails). With
+    an arrival forecast, it keeps instead what the load, the rate now and the forecast over
+    the next cold start need (with `queueing_margin`), and goes half the surplus at a time
+    after half a measured cold start (at most those window and cooldown).
     """
 
     max: PosInt
@@ -391,6 +425,12 @@ class AutoscaleConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     scale_up_cooldown_s: NonNegFloat = 30.0  # after a scale-up, before the next one
     scale_down_cooldown_s: NonNegFloat = 120.0  # after any change, before a scale-down
     warm_spares: NonNegInt = 0  # replicas above what the load needs (N+1: 1)
+    # With a modelled capacity (autoscale.capacity): the forecast's and the scale-down's
+    # sizing give a load of a requests in flight (requests/s x each one's time in a
+    # replica) a + queueing_margin x sqrt(a) slots (square-root staffing: the headroom
+    # Poisson arrivals need under the planner's limit; 0: none). target_in_flight, a target
+    # below the limit already, gets none. 1.5: docs/benchmarks.md, issue 19's replay.
+    queueing_margin: NonNegFloat = 1.5
     # Scale to zero (min = 0): the pool releases its last replica (it drains) once no request
     # has come for `idle_s`; the first request then wakes it. The gateway holds a request
     # for a pool with no replica up to `wake_budget_s` (0: answers 503 at once), then
@@ -467,6 +507,13 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # KV-transfer connector (vLLM's ExampleConnector) stores the prompts' KV cache. Required
     # for a vllm-cpu prefill or decode pool, the same for both; GPU pools use NIXL instead.
     kv_transfer_dir: str = ""
+    # The connector never deletes what it stores there, so the pool's engines do
+    # (engine_launch/kv_janitor.py): an entry goes this long after the prefill wrote it (long
+    # past the prefill -> decode handoff: a decode that finds it gone computes the prompt
+    # itself), and the oldest go while the directory holds more than kv_transfer_max_mb. The
+    # same for both pools of the pair.
+    kv_transfer_ttl_s: Annotated[float, msgspec.Meta(ge=60, le=7 * 86400)] = KV_TRANSFER_TTL_S
+    kv_transfer_max_mb: Annotated[int, msgspec.Meta(ge=1)] = KV_TRANSFER_MAX_MB
 
     @property
     def model(self) -> str:
@@ -824,6 +871,7 @@ def _check_semantics(cfg: PlatformConfig) -> None:
     _check_health(cfg.health)
     if problem := rollout_steps_problem(cfg.rollout.steps):
         raise ConfigError(f"rollout.steps: {problem}, got {cfg.rollout.steps}")
+    _check_rehearsal(cfg.poolmgr)
     if cfg.router.heartbeat_s * 2 > cfg.router.lease_s:
         raise ConfigError(
             f"router.lease_s: {cfg.router.lease_s} must be at least twice "
@@ -846,16 +894,39 @@ def _check_semantics(cfg: PlatformConfig) -> None:
     _check_disaggregation(cfg.pools)
 
 
+def _check_rehearsal(poolmgr: PoolMgrConfig) -> None:
+    """The rehearsal knobs (a local queue wait, a compressed day) hang together."""
+    if poolmgr.local_queue_wait_s and poolmgr.launcher != "local":
+        raise ConfigError(
+            f"poolmgr.local_queue_wait_s: {poolmgr.local_queue_wait_s:g} needs "
+            "poolmgr.launcher = 'local' (Slurm has a queue wait of its own)"
+        )
+    if poolmgr.rehearsal_speedup > 1:
+        for key in ("rehearsal_real_start", "rehearsal_day_start"):
+            if not getattr(poolmgr, key):
+                raise ConfigError(
+                    f"poolmgr.{key}: poolmgr.rehearsal_speedup is "
+                    f"{poolmgr.rehearsal_speedup:g}, so the compressed clock needs its start "
+                    "(epoch seconds)"
+                )
+
+
 def _check_disaggregation(pools: list[PoolConfig]) -> None:
     """Prefill and decode pools come in pairs per model, on one engine kind; the CPU
     build's connector needs the shared directory both use (kv_transfer_dir)."""
     for i, pool in enumerate(pools):
         if pool.role not in ("prefill", "decode"):
-            if pool.kv_transfer_dir:
-                raise ConfigError(
-                    f"pools[{i}].kv_transfer_dir: only a prefill or decode pool transfers KV; "
-                    f"pool {pool.name!r} has role {pool.role!r}"
-                )
+            defaults = {
+                "kv_transfer_dir": "",
+                "kv_transfer_ttl_s": KV_TRANSFER_TTL_S,
+                "kv_transfer_max_mb": KV_TRANSFER_MAX_MB,
+            }
+            for key, default in defaults.items():
+                if getattr(pool, key) != default:
+                    raise ConfigError(
+                        f"pools[{i}].{key}: only a prefill or decode pool transfers KV; "
+                        f"pool {pool.name!r} has role {pool.role!r}"
+                    )
             continue
         other = "decode" if pool.role == "prefill" else "prefill"
         peers = [p for p in pools if p.model == pool.model and p.role == other]
@@ -881,6 +952,12 @@ def _check_disaggregation(pools: list[PoolConfig]) -> None:
                 f"pools[{i}].kv_transfer_dir: {pool.kv_transfer_dir!r} differs from its {other} "
                 f"pool {peer.name!r}'s ({peer.kv_transfer_dir!r}); both must use one directory"
             )
+        for key in ("kv_transfer_ttl_s", "kv_transfer_max_mb"):
+            if getattr(pool, key) != getattr(peer, key):
+                raise ConfigError(
+                    f"pools[{i}].{key}: {getattr(pool, key)} differs from its {other} pool "
+                    f"{peer.name!r}'s ({getattr(peer, key)}); both sweep one directory"
+                )
 
 
 def rollout_steps_problem(steps: list[int]) -> str:
@@ -940,6 +1017,33 @@ def _check_elastic(i: int, pool: PoolConfig) -> None:
         )
 
 
+def _check_autoscale_role(key: str, pool: PoolConfig, auto: AutoscaleConfig) -> None:
+    """A prefill or decode pool scales on its own signals (poolmgr/autoscale_roles.py): an
+    SLO its engines cannot see is refused, not ignored (an admin would think it held), and
+    so is scale to zero (a PD request whose other pool still serves never finds no replica,
+    so the pool at zero would never be woken)."""
+    default = AutoscaleConfig(max=1)
+    other = {"prefill": "decode", "decode": "prefill"}.get(pool.role)
+    if other is None:
+        return
+    if pool.role == "prefill" and auto.tpot_p95_s != default.tpot_p95_s:
+        raise ConfigError(
+            f"{key}.tpot_p95_s: pool {pool.name!r} is a prefill pool: it answers one token per "
+            "request, so its engines report no TPOT; set the TPOT SLO on the model's decode pool"
+        )
+    if pool.role == "decode" and auto.ttft_p95_s != default.ttft_p95_s:
+        raise ConfigError(
+            f"{key}.ttft_p95_s: pool {pool.name!r} is a decode pool: the prompt's wait, which "
+            "more replicas shorten, is the prefill pool's; set the TTFT SLO on the model's "
+            "prefill pool"
+        )
+    if auto.min == 0:
+        raise ConfigError(
+            f"{key}.min: 0 on {pool.role} pool {pool.name!r}: while its {other} pool serves, "
+            "the model's requests find a replica and none would wake it; keep min >= 1"
+        )
+
+
 def _check_autoscale(i: int, pool: PoolConfig) -> None:
     auto = pool.autoscale
     if auto is None:
@@ -948,8 +1052,9 @@ def _check_autoscale(i: int, pool: PoolConfig) -> None:
     if pool.role == "batch":
         raise ConfigError(
             f"{key}: pool {pool.name!r} has role 'batch', which grows with the Batch API "
-            "backlog (max_replicas); autoscale is for interactive pools"
+            "backlog (max_replicas); autoscale is for interactive, prefill and decode pools"
         )
+    _check_autoscale_role(key, pool, auto)
     if auto.min > auto.max:
         raise ConfigError(f"{key}.min: {auto.min} is above autoscale.max ({auto.max})")
     if not auto.min <= pool.replicas <= auto.max:

@@ -99,6 +99,10 @@ class LocalSlurmSpec:
     # this cluster's own, on ctld_port + nodes + 2 and ctld_port + nodes + 1, so that sacct
     # answers. Off by default: it costs ~100 MB of memory and seconds at start.
     accounting: bool = False
+    # A switch topology (TopologyPlugin=topology/tree, topology.conf beside slurm.conf): every
+    # node under one leaf switch of this name, as `scontrol show topology` then prints
+    # (SwitchName=s1 Level=0 LinkSpeed=1 Nodes=n[1-2]). "": no topology plugin.
+    leaf_switch: str = ""
 
 
 def _which(name: str) -> str | None:
@@ -402,6 +406,8 @@ class LocalSlurm:
         ]
         if self.accounting is not None:
             lines += self.accounting.slurm_conf_lines()
+        if s.leaf_switch:
+            lines.append("TopologyPlugin=topology/tree")  # reads topology.conf beside this
         gres_lines = ["# Written by hpcserve.localslurm: plain files stand in for GPUs."]
         for i, node in enumerate(self.node_names, start=1):
             gres = f" Gres=gpu:{s.gpus_per_node}" if s.gpus_per_node else ""
@@ -440,6 +446,10 @@ class LocalSlurm:
         changed = False
         files = [(self.conf_path, slurm_conf), (self.gres_conf_path, gres_conf)]
         files.append((self.state_dir / "cgroup.conf", CGROUP_CONF))
+        if self.spec.leaf_switch:
+            nodes = ",".join(self.node_names)
+            topology = f"SwitchName={self.spec.leaf_switch} Nodes={nodes}\n"
+            files.append((self.state_dir / "topology.conf", topology))
         for path, text in files:
             try:
                 same = path.read_text() == text

@@ -112,6 +112,7 @@ def collect_status(config: PlatformConfig) -> dict[str, Any]:
                 "url": r.url,
                 "job_id": r.slurm_job_id,
                 "node": r.node,
+                "switch": r.switch,  # its node's leaf switch ("": no topology/tree)
                 "in_flight": r.in_flight,
                 "running": r.load.running,
                 "waiting": r.load.waiting,

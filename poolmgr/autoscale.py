@@ -4,7 +4,9 @@ what it saw, the last state and the time; nothing here reads a clock or talks to
 Signals, per serving replica, as the engines report them on each heartbeat (vLLM's
 num_requests_running / num_requests_waiting and KV-cache usage, contracts/protocol.py
 ReplicaLoad) and as the router counts them (requests in flight). A replica's load is the
-larger of its engine's running + waiting and the router's in-flight count.
+larger of its engine's running + waiting and the router's in-flight count. A prefill or
+decode pool reads only the signals of its role (poolmgr/autoscale_roles.py: prefill on
+waiting and TTFT, decode on KV usage, waiting and TPOT; `Signals.watches`).
 
 Capacity: a replica carries what the capacity planner gives for the pool's workload at its
 SLO (autoscale.capacity, poolmgr/autoscale_capacity.py; else the config's
@@ -52,6 +54,12 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from hpcserve.config import AutoscaleConfig
+from hpcserve.poolmgr.autoscale_roles import watches
+
+# With a forecast, the scale-down window's share of the forecast horizon (the pool's
+# measured cold start), at most scale_down_window_s (docs/benchmarks.md, issue 19 third
+# increment: 1/2 against the fixed 300 s).
+DOWN_WINDOW_SHARE = 0.5
 
 # "taken": a replica given to a pool of higher priority waiting for GPUs (gpu_take.py).
 Direction = Literal["up", "down", "hold", "override", "taken"]
@@ -104,6 +112,12 @@ class Signals:
     # A pool of higher priority waits for GPUs (poolmgr/gpu_take.py): this one does not grow
     # (it would compete for the same GPUs); "": none waits.
     yield_to: str = ""
+    # The pool's role: a prefill or decode pool scales on its own signals only
+    # (poolmgr/autoscale_roles.py: prefill on waiting and TTFT, decode on KV, waiting, TPOT).
+    role: str = "interactive"
+
+    def watches(self, signal: str) -> bool:
+        return watches(self.role, signal)
 
     @property
     def load(self) -> int:
@@ -143,25 +157,47 @@ class Signals:
         slo = "".join(
             f"; {name} p95 {value:.3g} s"
             for name, value in (("TTFT", self.ttft_p95_short), ("TPOT", self.tpot_p95_short))
-            if value is not None
+            if value is not None and self.watches(name.lower())
         )
         return (
             f"{n} serving, {self.starting} starting; {self.load} in flight, "
             f"{self.waiting} waiting, KV {self.kv_usage:.0%}{slo}{floor}"
         )
 
+    def margin(self, cfg: AutoscaleConfig) -> float:
+        """The queueing margin: on a modelled capacity (the planner's largest batch within
+        the SLO, a limit the load must stay under), none on the config's target_in_flight
+        (a target the admin set below the limit)."""
+        return cfg.queueing_margin if self.capacity and self.capacity_rps else 0.0
+
+    def request_s(self) -> float | None:
+        """Seconds a request spends in a replica: the model's (its in flight over its
+        requests/s), else Little's law on what is measured now (in flight over the arrival
+        rate); None: neither is known."""
+        if self.capacity and self.capacity_rps:
+            return self.capacity / self.capacity_rps
+        if self.rate_rps and self.load:
+            return self.load / self.rate_rps
+        return None
+
     def forecast_need(self, cfg: AutoscaleConfig, per_replica: int) -> int:
         """Replicas the forecast rate needs (0: no forecast): its requests in flight by
-        Little's law, with the time each spends as now (in flight / arrival rate)."""
-        if self.forecast_rps is None:
+        Little's law (rate x each one's time in a replica), with the queueing margin."""
+        if self.forecast_rps is None or (request_s := self.request_s()) is None:
             return 0
-        if self.capacity and self.capacity_rps:  # the model's requests/s per replica
-            rps = self.capacity_rps * per_replica / self.capacity
-            return math.ceil(self.forecast_rps / rps) + cfg.warm_spares
-        if not self.rate_rps or not self.load:
-            return 0
-        in_flight = self.forecast_rps * self.load / self.rate_rps
-        return math.ceil(in_flight / per_replica) + cfg.warm_spares
+        in_flight = self.forecast_rps * request_s
+        return replicas_for(in_flight, per_replica, self.margin(cfg)) + cfg.warm_spares
+
+    def keep_need(self, cfg: AutoscaleConfig, per_replica: int) -> int | None:
+        """Replicas to keep (scale-down) when the rate is known: what the larger of the load
+        now, the rate now and the forecast one cold start ahead needs with the queueing
+        margin (a replica released now and needed within a cold start comes back late);
+        None: no rate or forecast known (the load's rules decide alone)."""
+        request_s = self.request_s()
+        if self.forecast_rps is None or self.rate_rps is None or request_s is None:
+            return None
+        load = max(float(self.load), self.rate_rps * request_s, self.forecast_rps * request_s)
+        return replicas_for(load, per_replica, self.margin(cfg)) + cfg.warm_spares
 
     def slo_burn(self, cfg: AutoscaleConfig) -> list[str]:
         """The SLOs burnt over both windows, as reasons."""
@@ -170,6 +206,8 @@ class Signals:
             ("TTFT", self.ttft_p95_short, self.ttft_p95_long, cfg.ttft_p95_s),
             ("TPOT", self.tpot_p95_short, self.tpot_p95_long, cfg.tpot_p95_s),
         ):
+            if not self.watches(name.lower()):
+                continue
             if short is not None and long is not None and short > slo and long > slo:
                 out.append(
                     f"{name} p95 {short:.3g} s over {cfg.slo_short_window_s:g} s and "
@@ -178,9 +216,9 @@ class Signals:
         return out
 
     def slo_short_over(self, cfg: AutoscaleConfig) -> bool:
-        return (self.ttft_p95_short or 0.0) > cfg.ttft_p95_s or (
-            self.tpot_p95_short or 0.0
-        ) > cfg.tpot_p95_s
+        return (self.watches("ttft") and (self.ttft_p95_short or 0.0) > cfg.ttft_p95_s) or (
+            self.watches("tpot") and (self.tpot_p95_short or 0.0) > cfg.tpot_p95_s
+        )
 
 
 @dataclass(frozen=True)
@@ -194,6 +232,8 @@ class AutoscaleState:
     pressure_since: float | None = None  # since when the up condition has held
     slack_since: float | None = None  # since when the down condition has held
     overridden: bool = False  # the target is an admin's override
+    # (time, requests waiting) at the last poll that measured the load: the queue's growth
+    queue: tuple[float, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -214,11 +254,24 @@ def initial_state(cfg: AutoscaleConfig, replicas: int, live: int) -> AutoscaleSt
     return AutoscaleState(target=_clamp(cfg, live or replicas))
 
 
+def replicas_for(in_flight: float, per_replica: int, margin: float) -> int:
+    """Replicas whose slots carry `in_flight` requests (Poisson arrivals: the offered load
+    a) with square-root staffing's headroom: a + margin x sqrt(a) slots."""
+    slots = in_flight + margin * math.sqrt(max(in_flight, 0.0))
+    return math.ceil(slots / per_replica - 1e-9)
+
+
 def _clamp(cfg: AutoscaleConfig, n: int) -> int:
     return min(max(n, cfg.min), cfg.max)
 
 
 def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float) -> Decision:
+    decision = _decide(cfg, sig, state, now)
+    queue = (now, sig.waiting) if sig.measured and sig.replicas else None
+    return replace(decision, state=replace(decision.state, queue=queue))
+
+
+def _decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float) -> Decision:
     if sig.override is not None:
         return _override(sig.override, state, now)
     target = _clamp(cfg, state.target)
@@ -243,10 +296,12 @@ def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float
     if n == 0:
         return _hold(state, "no replica serves yet: nothing to measure", pressure=None, slack=None)
     per_replica = sig.per_replica(cfg.target_in_flight)
-    wanted = math.ceil(sig.load / per_replica) + cfg.warm_spares
+    growth = _queue_growth(cfg, sig, state, now)
+    backlog = growth * sig.forecast_horizon_s  # what it will have grown by in a cold start
+    wanted = math.ceil((sig.load + backlog) / per_replica) + cfg.warm_spares
     ahead = sig.forecast_need(cfg, per_replica)
     need = _clamp(cfg, max(wanted, ahead))
-    pressure = _pressure(cfg, sig, target, wanted, per_replica)
+    pressure = _pressure(cfg, sig, target, wanted, per_replica, growth)
     if min(ahead, cfg.max) > max(target, wanted):
         pressure.append(
             f"forecast {sig.forecast_rps:.3g} req/s in {sig.forecast_horizon_s:.0f} s needs {ahead}"
@@ -272,28 +327,52 @@ def decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float
         return _change(state, target, new, f"{why} for {held:.0f} s", now)
     spare = target - 1 - cfg.warm_spares
     room = spare * per_replica * cfg.scale_down_utilization
+    keep = sig.keep_need(cfg, per_replica)
     slack = (
         target > max(cfg.min, 1, floor)  # the last replica goes only when idle (to zero)
         and sig.waiting == 0
-        and sig.kv_usage * target / max(target - 1, 1) < cfg.max_kv_usage
-        and sig.load <= room
+        and (not sig.watches("kv") or sig.kv_usage * target / max(target - 1, 1) < cfg.max_kv_usage)
         and not sig.slo_short_over(cfg)
-        and ahead < target
+        and (sig.load <= room and ahead < target if keep is None else keep < target)
     )
     if not slack:
         kept = f"; {sig.floor_reason}" if floor and target <= floor else ""
         return _hold(state, f"steady at {target}{kept}", pressure=None, slack=None)
     since = state.slack_since if state.slack_since is not None else now
     held = now - since
-    why = (
-        f"{sig.load} in flight fits {spare} replica(s) at <= "
-        f"{cfg.scale_down_utilization:.0%} of {per_replica}"
-    )
-    if held < cfg.scale_down_window_s:
-        return _hold(state, f"{why} for {held:.0f} s of {cfg.scale_down_window_s:g} s", None, since)
-    if now - state.changed_at < cfg.scale_down_cooldown_s:
+    window, cooldown = cfg.scale_down_window_s, cfg.scale_down_cooldown_s
+    if keep is None:
+        why = (
+            f"{sig.load} in flight fits {spare} replica(s) at <= "
+            f"{cfg.scale_down_utilization:.0%} of {per_replica}"
+        )
+    else:  # the forecast covers a cold start ahead: the window only filters noise
+        window, cooldown = _down_timing(cfg, sig.forecast_horizon_s)
+        why = (
+            f"{sig.load} in flight, {sig.rate_rps:.3g} req/s now and {sig.forecast_rps:.3g} "
+            f"in {sig.forecast_horizon_s:.0f} s need {keep} at {per_replica} per replica"
+        )
+    if held < window:
+        return _hold(state, f"{why} for {held:.0f} s of {window:g} s", None, since)
+    if now - state.changed_at < cooldown:
         return _hold(state, f"{why}; in the cooldown after the last change", None, since)
-    return _change(state, target, target - 1, f"{why} for {held:.0f} s", now, slack=since)
+    # With a forecast, half the surplus at a time (at least one): a burst's replicas go in
+    # a few cooldowns, not one per cooldown; without, one replica at a time.
+    step = 1 if keep is None else max(1, (target - max(keep, cfg.min, floor, 1)) // 2)
+    return _change(state, target, target - step, f"{why} for {held:.0f} s", now, slack=since)
+
+
+def _down_timing(cfg: AutoscaleConfig, horizon_s: float) -> tuple[float, float]:
+    """The scale-down window and cooldown when the forecast covers the next cold start:
+    half and a quarter of that cold start, at most the config's (a replica it releases and
+    that is needed again within a cold start is kept by the forecast; what the window
+    filters is the rate's noise). No cold start measured yet: the config's."""
+    if horizon_s <= 0:
+        return cfg.scale_down_window_s, cfg.scale_down_cooldown_s
+    return (
+        min(cfg.scale_down_window_s, horizon_s * DOWN_WINDOW_SHARE),
+        min(cfg.scale_down_cooldown_s, horizon_s * DOWN_WINDOW_SHARE / 2),
+    )
 
 
 def _to_or_from_zero(
@@ -315,21 +394,44 @@ def _to_or_from_zero(
     return _change(state, target, 0, f"no request for {sig.idle_s:.0f} s (scale to zero)", now)
 
 
+def _queue_growth(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: float) -> float:
+    """Requests/s the engines' queue grows by since the last poll, while it is over
+    max_waiting_per_replica (arrivals beyond what the pool runs: a rise the forecast did
+    not see); 0 otherwise, or without a measured cold start to project it over."""
+    if state.queue is None or sig.forecast_horizon_s <= 0:
+        return 0.0
+    at, waiting = state.queue
+    if now <= at or sig.waiting / len(sig.replicas) <= cfg.max_waiting_per_replica:
+        return 0.0
+    return max(0.0, (sig.waiting - waiting) / (now - at))
+
+
 def _pressure(
-    cfg: AutoscaleConfig, sig: Signals, target: int, wanted: int, per_replica: int
+    cfg: AutoscaleConfig,
+    sig: Signals,
+    target: int,
+    wanted: int,
+    per_replica: int,
+    growth: float = 0.0,
 ) -> list[str]:
     n = len(sig.replicas)
     out = []
     if sig.waiting / n > cfg.max_waiting_per_replica:
         out.append(f"{sig.waiting / n:.1f} waiting per replica > {cfg.max_waiting_per_replica}")
-    if sig.kv_usage > cfg.max_kv_usage:
+    if sig.watches("kv") and sig.kv_usage > cfg.max_kv_usage:
         out.append(f"KV cache {sig.kv_usage:.0%} full > {cfg.max_kv_usage:.0%}")
     out += sig.slo_burn(cfg)
     if min(wanted, cfg.max) > target:
         spares = f" + {cfg.warm_spares} spare(s)" if cfg.warm_spares else ""
         over = f" (max {cfg.max})" if wanted > cfg.max else ""
+        grows = (
+            f" and {growth * sig.forecast_horizon_s:.0f} more waiting in "
+            f"{sig.forecast_horizon_s:.0f} s (the queue grows {growth:.3g}/s)"
+            if growth
+            else ""
+        )
         out.append(
-            f"{sig.load} in flight needs {wanted} at {per_replica} per replica{spares}{over}"
+            f"{sig.load} in flight{grows} needs {wanted} at {per_replica} per replica{spares}{over}"
         )
     return out
 

@@ -18,9 +18,11 @@ import logging
 from dataclasses import dataclass
 
 from hpcserve.config import AutoscaleConfig, ConfigError, PlatformConfig, PoolConfig
+from hpcserve.contracts.engine_args import PD_ROLES
 from hpcserve.planner import Factors, PlanError, PlanRequest
 from hpcserve.planner.capacity import best_point
 from hpcserve.planner.plan import resolve
+from hpcserve.poolmgr.autoscale_roles import pd_capacity
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +62,16 @@ def modelled(pool: PoolConfig) -> ReplicaCapacity:
         calibrate=cap.calibrate or None,
     )
     setup = resolve(request, Factors(max_num_seqs=cap.max_num_seqs))
-    max_batch, bound = setup.max_batch()
-    point, met = best_point(setup.point_at(), setup.limits(max_batch))
     basis = f"calibration {cap.calibrate}" if setup.calibrated else "roofline"
     what = (
         f"{basis}: {setup.replica.model.name} on {setup.replica.gpu.name} TP {setup.replica.tp}, "
         f"{cap.prompt_tokens}+{cap.output_tokens} tokens"
     )
+    if pool.role in PD_ROLES:  # the planner's PD model (poolmgr/autoscale_roles.py)
+        in_flight, rps, why = pd_capacity(pool.role, setup, auto.ttft_p95_s, auto.tpot_p95_s)
+        return ReplicaCapacity(in_flight, rps, f"{what}; {why}")
+    max_batch, bound = setup.max_batch()
+    point, met = best_point(setup.point_at(), setup.limits(max_batch))
     if not met:
         why = f"misses TTFT {auto.ttft_p95_s:g} s / TPOT {auto.tpot_p95_s:g} s even at batch 1"
         return ReplicaCapacity(1, point.requests_per_s, f"{what}; {why}")

@@ -37,6 +37,7 @@ from hpcserve.poolmgr.autoscale import (
     initial_state,
 )
 from hpcserve.poolmgr.autoscale_capacity import Capacities
+from hpcserve.poolmgr.autoscale_roles import watches
 from hpcserve.poolmgr.autoscale_schedule import scheduled_floor
 from hpcserve.poolmgr.batch_pools import is_elastic
 from hpcserve.poolmgr.forecast import Forecasts
@@ -90,6 +91,9 @@ class AutoscaledPools:
         """state_dir: where the daily arrival profiles are kept (None: not kept)."""
         self.metrics = AutoscaleMetrics(registry)
         self.forecasts = Forecasts(state_dir)
+        # A rehearsal's compressed day (poolmgr/rehearsal_clock.py): each request counts as
+        # this many in the forecast; 1: off. The pool manager sets it from its config.
+        self.speedup = 1.0
         self.states: dict[str, AutoscaleState] = {}
         self.decisions: dict[str, Decision] = {}  # pool -> this poll's decision
         self.signals: dict[str, Signals] = {}  # pool -> this poll's signals
@@ -168,7 +172,14 @@ class AutoscaledPools:
             capacity = self.capacities.of(pool)
             signals = Signals(
                 replicas=[
-                    ReplicaSignal(r.in_flight, r.load.running, r.load.waiting, r.load.kv_usage)
+                    ReplicaSignal(
+                        # A decode replica is in flight from its Route on, while the request
+                        # still waits for its prefill: only what its engine holds counts.
+                        r.in_flight if watches(pool.role, "in_flight") else 0,
+                        r.load.running,
+                        r.load.waiting,
+                        r.load.kv_usage,
+                    )
                     for r in serving
                 ],
                 starting=sum(1 for j in live if not j.serving),
@@ -180,6 +191,7 @@ class AutoscaledPools:
                 capacity_rps=capacity.requests_per_s,
                 capacity_source=capacity.source,
                 yield_to=self.yield_to.get(name, ""),
+                role=pool.role,
             )
             ids = [r.replica_id for r in serving]
             signals = replace(
@@ -192,7 +204,7 @@ class AutoscaledPools:
             if replicas is not None and not first:
                 arrivals = sum(max(r.routed - routed_before.get(r.replica_id, 0), 0)
                                for r in serving)  # fmt: skip
-                self.forecasts.observe(name, arrivals, now)
+                self.forecasts.observe(name, round(arrivals * self.speedup), now, self.speedup)
             horizon = (lead_s or {}).get(name, 0.0)
             signals = replace(
                 signals,
@@ -204,8 +216,9 @@ class AutoscaledPools:
                 if rate is not None:
                     self.metrics.rate.labels(name, kind).set(rate)
             self._export_slo(name, signals)
-            self.metrics.slo_objective.labels(name, "ttft").set(auto.ttft_p95_s)
-            self.metrics.slo_objective.labels(name, "tpot").set(auto.tpot_p95_s)
+            for slo, objective in (("ttft", auto.ttft_p95_s), ("tpot", auto.tpot_p95_s)):
+                if signals.watches(slo):  # a prefill pool holds no TPOT, a decode no TTFT
+                    self.metrics.slo_objective.labels(name, slo).set(objective)
             if auto.schedule:
                 floor, why = scheduled_floor(auto.schedule, local, (lead_s or {}).get(name, 0.0))
                 signals = replace(signals, floor=floor, floor_reason=why)

@@ -55,6 +55,7 @@ from hpcserve.poolmgr.reconcile import (
     retire_reason,
 )
 from hpcserve.poolmgr.registry_usage import RegistryUsage
+from hpcserve.poolmgr.rehearsal_clock import RehearsalClock
 from hpcserve.poolmgr.render import render
 from hpcserve.poolmgr.rollout_controller import RolloutController
 from hpcserve.poolmgr.scrape_targets import ScrapeTargetsFile
@@ -72,6 +73,8 @@ from hpcserve.poolmgr.state_files import (
     read_overrides,
     write_status,
 )
+from hpcserve.poolmgr.switches import SwitchTopology
+from hpcserve.poolmgr.wake_names import PoolVersions, demand_by_model
 from hpcserve.slurm.client import SlurmClient, SlurmError
 from hpcserve.slurm.parse import JobState, SlurmNode
 
@@ -150,6 +153,9 @@ class PoolManager:
         self._replicas: list[ReplicaInfo] = []
         self._replicas_fresh = False  # the last ListReplicas answered (autoscaling needs it)
         self._unserved: dict[str, float] = {}  # model -> age of its last Route with no replica
+        self._unserved_refs: dict[str, float] = {}  # the same per registry version
+        # Each pool's registry version: an alias's or adapter's demand wakes it (wake_names.py).
+        self.pool_versions = PoolVersions(config.registry_path())
         self._nodes: list[SlurmNode] = []
         self.cache_inventory = CacheInventory()
         self.pin_watch = PinWatch(config.poolmgr.pin_wait_s)
@@ -160,6 +166,10 @@ class PoolManager:
         self.scrape_targets = ScrapeTargetsFile(Path(targets_file)) if targets_file else None
         self.job_states = JobStates()
         self.last_observation: Observation | None = None
+        # Node -> leaf switch for the router's decode locality (poolmgr/switches.py).
+        self.switch_topology = SwitchTopology(
+            lambda: self.slurm.topology(), on_error=self._topology_failed
+        )
         # Staged rollouts: a loop of its own beside this one (poolmgr/rollout_controller.py).
         self.rollouts = RolloutController(config, metrics_registry=registry, clock=clock)
 
@@ -192,12 +202,16 @@ class PoolManager:
         if endpoint is None:
             return []
         try:
+            switches = self.switch_topology.for_router(self._clock())
             listing = replica_list(
                 endpoint or self.config.router.gateways_dial(),
                 curve_dir=self.config.router.curve_dir,
+                node_switches=switches,
             )
+            self.switch_topology.answered(switches, listing.epoch)
             self._replicas = listing.replicas
             self._unserved = listing.unserved
+            self._unserved_refs = listing.unserved_refs
             for replica in self._replicas:
                 self.cache_inventory.report(replica.node, replica.cached)
             self.registry_usage.sync(self._replicas)
@@ -211,6 +225,20 @@ class PoolManager:
             self._replicas_fresh = False
             log.warning("router unavailable, using the last known replicas: %s", err)
         return self._replicas
+
+    def _wake_demand(self, now: float) -> dict[str, float]:
+        """The router's unserved demand by served name, an alias's or a LoRA adapter's
+        counted for the pool serving its version (poolmgr/wake_names.py)."""
+        if not self._unserved_refs:
+            return self._unserved
+        pools = [p for p in self.config.pools if p.autoscale is not None]
+        self.pool_versions.registry_path = Path(self.config.registry_path())  # after a reload
+        versions = self.pool_versions.of(pools, now)
+        return demand_by_model(pools, self._unserved, self._unserved_refs, versions)
+
+    def _topology_failed(self, err: Exception) -> None:
+        self.metrics.errors.labels("topology").inc()
+        log.warning("cannot read the switch topology, keeping the last known: %s", err)
 
     def _read_nodes(self) -> list[SlurmNode]:
         try:
@@ -279,12 +307,16 @@ class PoolManager:
         now = self._clock()
         observation = self._retire_stranded_pins(observation, now)
         overrides = read_overrides(self.state_dir)
-        # Autoscaled interactive pools: their target from their load (poolmgr/autoscale.py).
+        # Autoscaled interactive pools: their target from their load (poolmgr/autoscale.py),
+        # on a compressed day's clock in a rehearsal (poolmgr/rehearsal_clock.py).
+        clock = RehearsalClock.of(self.config.poolmgr)
+        self.autoscaled.speedup = clock.speedup
         desired = self.autoscaled.resize(
             self.config, self.desired(overrides), overrides, observation.jobs,
             self.memory.draining_since, self._replicas if self._replicas_fresh else None,
-            observation.admin_serving, now, unserved=self._unserved,
-            lead_s=self.cold_starts.leads(),
+            observation.admin_serving, clock.now(now),
+            unserved={m: clock.stretch(a) for m, a in self._wake_demand(now).items()},
+            lead_s={p: clock.stretch(s) for p, s in self.cold_starts.leads().items()},
         )  # fmt: skip
         desired = self.batch_pools.resize(
             self.config, desired, observation.jobs, self.memory.draining_since,

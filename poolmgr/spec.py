@@ -241,4 +241,7 @@ def _job_env(pool: PoolConfig, model: ResolvedModel) -> tuple[tuple[str, str], .
         env["HPCSERVE_LORA_PLAN"] = model.lora_plan  # read by `hpcserve engine --lora-plan`
     if model.canary_record:  # read by `hpcserve engine --canary-record`
         env["HPCSERVE_CANARY_RECORD"] = model.canary_record
+    if pool.kv_transfer_dir:  # its engines sweep it (engine_launch/kv_janitor.py)
+        env["HPCSERVE_KV_TRANSFER_TTL_S"] = f"{pool.kv_transfer_ttl_s:g}"
+        env["HPCSERVE_KV_TRANSFER_MAX_MB"] = str(pool.kv_transfer_max_mb)
     return tuple(sorted(env.items()))

@@ -174,6 +174,17 @@ class AdapterRouter:
 
     # -- routing
 
+    def base_of(self, adapter: str) -> str:
+        """The registry version an adapter is bound to (name@version), its base model's name
+        when bound to none, "" when the registry does not know it: what a pool at zero must
+        serve for the adapter's requests to wake it (router/unserved.py)."""
+        source = self.catalog.get(adapter)
+        if source is None:
+            return ""
+        if source.base_version:
+            return f"{source.base_model}@{source.base_version}"
+        return source.base_model
+
     def is_adapter(self, model: str) -> bool:
         return self.catalog.get(model) is not None or any(
             model in s.loaded for s in self._replicas.values()

@@ -51,7 +51,7 @@ class Replica:
         """Requests routed here and not released, plus what the engine reports waiting."""
         return self.in_flight + self.load.waiting
 
-    def info(self, now: float) -> ReplicaInfo:
+    def info(self, now: float, switch: str = "") -> ReplicaInfo:
         return ReplicaInfo(
             replica_id=self.spec.replica_id,
             model=self.spec.model,
@@ -67,6 +67,7 @@ class Replica:
             model_ref=self.spec.model_ref,
             role=self.spec.role,
             routed=self.routed_total,
+            switch=switch,
         )
 
 

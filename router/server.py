@@ -46,6 +46,7 @@ from hpcserve.router.decide import Decider
 from hpcserve.router.health_events import HealthEventLog
 from hpcserve.router.in_flight_book import InFlightBook
 from hpcserve.router.kv_subscriber import KvEventSubscriber
+from hpcserve.router.policies.pd_roles import near_tier
 from hpcserve.router.prefix_index import PrefixIndex
 from hpcserve.router.queue_wait import within_budget
 from hpcserve.router.quota_book import QuotaBook
@@ -53,6 +54,10 @@ from hpcserve.router.registry import Registry, Replica
 from hpcserve.router.unserved import UnservedModels
 
 log = logging.getLogger(__name__)
+
+# Where a disaggregated request's decode replica is, seen from its prefill replica
+# (hpcserve_router_pd_routes_total{placement}; also other_node, and whole: no prefill).
+SAME_NODE, SAME_SWITCH = "same_node", "same_switch"
 
 
 class RouterMetrics:
@@ -76,7 +81,7 @@ class RouterMetrics:
         self.pd_routes = Counter(
             "hpcserve_router_pd_routes_total",
             "Disaggregated requests by placement: prefill and decode on the same node, on "
-            "other nodes, or served whole (no prefill replica usable)",
+            "the same leaf switch, on other nodes, or served whole (no prefill replica usable)",
             ["placement"],
             registry=registry,
         )
@@ -91,6 +96,20 @@ class RouterMetrics:
             "Numerical canary checks engines ran (before registering, periodic), by version "
             "and result (pass, mismatch, error)",
             ["model_ref", "stage", "result"],
+            registry=registry,
+        )
+        self.kv_transfer_removed = Counter(
+            "hpcserve_router_kv_transfer_removed",
+            "Entries engines' janitors removed from a pool's kv_transfer_dir (the CPU build's "
+            "KV-transfer files), by reason (ttl: past kv_transfer_ttl_s; cap: the oldest "
+            "beyond kv_transfer_max_mb)",
+            ["pool", "reason"],
+            registry=registry,
+        )
+        self.kv_transfer_removed_bytes = Counter(
+            "hpcserve_router_kv_transfer_removed_bytes",
+            "Bytes of those entries, by reason",
+            ["pool", "reason"],
             registry=registry,
         )
         self.lease_expiries = Counter(
@@ -161,8 +180,13 @@ class RouterServer:
         # New at every start: the quota book's, and in RouteReply for in-flight re-declaration.
         self.epoch = self.quotas.epoch
         self.health_log = HealthEventLog()
-        # Routes that found no replica, per model (a pool at zero wakes on them).
+        # Routes that found no replica, per model (a pool at zero wakes on them), and per
+        # registry version an unserved alias or adapter resolved to.
         self.unserved = UnservedModels()
+        self.unserved_refs = UnservedModels()
+        # Node -> its leaf switch, from the pool manager (ListReplicas.node_switches): the
+        # decode replica's locality after its node. Empty: no switch topology known.
+        self.node_switches: dict[str, str] = {}
         prom = metrics_registry or CollectorRegistry()
         self.metrics = RouterMetrics(prom)
         prom.register(_RefusedConnections(self))
@@ -205,16 +229,24 @@ class RouterServer:
         # What engines' agents dial to relay KV events (told in RegistryAck; "": none).
         self.kv_relay = ""
 
-    def _unserved(self, request_id: int, error: str, model: str = "") -> p.RouteReply:
+    def _unserved(
+        self, request_id: int, error: str, model: str = "", *, served: str = "", ref: str = ""
+    ) -> p.RouteReply:
         """A Route no replica can take: during the restart grace, while the fleet's engines
         re-register, "ask again" (p.ROUTER_STARTING) instead of a missing replica. The model
-        asked for is recorded as unserved demand (router/unserved.py: it wakes a pool at zero)."""
-        if model:
-            self.unserved.missed(model, self._clock())
+        asked for is recorded as unserved demand (router/unserved.py: it wakes a pool at zero),
+        and what it resolved to: `served`, the served name an alias routes to, and `ref`, the
+        registry version an alias or adapter with no replica resolves to."""
+        now = self._clock()
+        for book, name in (
+            (self.unserved, model), (self.unserved, served), (self.unserved_refs, ref)
+        ):  # fmt: skip
+            if name:
+                book.missed(name, now)
         if error in (NO_REPLICA, ALIAS_NO_REPLICA) and self._clock() < self._grace_until:
             error = p.ROUTER_STARTING
         self.metrics.routes.labels(error).inc()
-        return p.RouteReply(request_id, error=error)
+        return p.RouteReply(request_id, error=error, model_ref=ref)
 
     def bind(self) -> None:
         self._grace_until = self._clock() + self.restart_grace_s
@@ -428,7 +460,26 @@ class RouterServer:
                 self.metrics.registry_messages.labels("canary_report").inc()
                 self.metrics.canary_checks.labels(msg.model_ref, msg.stage, msg.result).inc()
                 return
+            case p.KvCleanupReport():
+                self.metrics.registry_messages.labels("kv_cleanup_report").inc()
+                self._on_kv_cleanup(msg)
+                return
         sock.send_multipart([peer, p.encode(reply)], zmq.NOBLOCK)
+
+    def _on_kv_cleanup(self, msg: p.KvCleanupReport) -> None:
+        """Counted under the replica's registered pool (a pool name, never the message's)."""
+        replica = self.registry.get(msg.replica_id)
+        if replica is None:
+            return  # not registered (yet, or any more): its pool is unknown
+        pool = replica.spec.pool
+        for reason, count, size in (
+            ("ttl", msg.expired, msg.expired_bytes),
+            ("cap", msg.over_cap, msg.over_cap_bytes),
+        ):
+            if count > 0:
+                self.metrics.kv_transfer_removed.labels(pool, reason).inc(count)
+            if size > 0:
+                self.metrics.kv_transfer_removed_bytes.labels(pool, reason).inc(size)
 
     def _on_routing(self, payload: bytes, peer: bytes = b"") -> bytes | None:
         """One gateway message; its encoded reply (None: it has none). `peer`: the routing
@@ -465,12 +516,16 @@ class RouterServer:
                 )
             case p.ListReplicas():
                 now = self._clock()
+                if msg.node_switches is not None:
+                    self._set_topology(msg.node_switches)
+                switches = self.node_switches
                 reply = p.ReplicaList(
                     msg.request_id,
-                    [r.info(now) for r in self.registry],
+                    [r.info(now, switches.get(r.spec.node, "")) for r in self.registry],
                     self.epoch,
                     {a.name: a.target for a in self.aliases.catalog.all()},
                     unserved=self.unserved.ages(now),
+                    unserved_refs=self.unserved_refs.ages(now),
                 )
             case p.QuotaReport():
                 reply = self.quotas.report(msg, self._clock())
@@ -478,6 +533,20 @@ class RouterServer:
                 events = self.health_log.since(msg.epoch, msg.ack_seq)
                 reply = p.HealthEvents(msg.request_id, self.health_log.epoch, events)
         return p.encode(reply)
+
+    def _set_topology(self, node_switches: dict[str, str]) -> None:
+        if node_switches == self.node_switches:
+            return
+        self.node_switches = dict(node_switches)
+        if node_switches:
+            log.info(
+                "switch topology: %d nodes under %d leaf switches (decode replicas on the "
+                "prefill's switch come after those on its node)",
+                len(node_switches),
+                len(set(node_switches.values())),
+            )
+        else:
+            log.info("no switch topology: decode locality is by node only")
 
     def _on_health_report(self, msg: p.HealthReport) -> p.RegistryReply:
         """Record the findings for the pool manager; stop routing to the replica at once
@@ -545,7 +614,7 @@ class RouterServer:
         served_as = ""
         if not candidates and (alias := self.aliases.resolve(msg, self.registry)) is not None:
             if alias.candidates is None:
-                return self._unserved(msg.request_id, alias.error, asked)
+                return self._unserved(msg.request_id, alias.error, asked, ref=alias.ref)
             served_as, candidates = alias.model, alias.candidates
             msg = msgspec.structs.replace(msg, model=served_as)
         adapter = not candidates and self.adapters.is_adapter(msg.model)
@@ -561,7 +630,9 @@ class RouterServer:
                     [decision.peer, p.encode(decision.load)], zmq.NOBLOCK
                 )
             if not decision.candidates:
-                return self._unserved(msg.request_id, decision.error, asked)
+                return self._unserved(
+                    msg.request_id, decision.error, asked, ref=self.adapters.base_of(msg.model)
+                )
             candidates = list(decision.candidates)
         if msg.exclude:
             candidates = [r for r in candidates if r.replica_id not in msg.exclude]
@@ -580,7 +651,7 @@ class RouterServer:
         replica = self.decider.pick(msg, self._clock(), candidates)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if replica is None:
-            return self._unserved(msg.request_id, NO_REPLICA, asked)
+            return self._unserved(msg.request_id, NO_REPLICA, asked, served=served_as)
         if adapter:
             self.adapters.routed(replica.replica_id, msg.model)
         self.metrics.routed.inc()
@@ -600,22 +671,31 @@ class RouterServer:
         """A model with a prefill pool (policies/pd_roles.py): the prefill replica by the
         policy over the prefill rows (prefix overlap, queue), then the decode replica over
         the others (KV headroom, load), on the prefill's node when one there is not
-        overloaded. Without a usable prefill replica the decode replica serves it whole."""
+        overloaded, else on its leaf switch when one there is not (pd_roles.near_tier).
+        Without a usable prefill replica the decode replica serves it whole."""
         now = self._clock()
         prefill = self.decider.pick(msg, now, candidates, phase="prefill")
         decode_candidates = candidates
-        if prefill is not None:
-            near = [
-                r
-                for r in candidates
-                if r.spec.node == prefill.spec.node and r.spec.role != "prefill" and r.routable
+        table = self.registry.table(msg.model)
+        if prefill is not None and table is not None:
+            decoders = [r for r in candidates if r.spec.role != "prefill" and r.routable]
+            node = prefill.spec.node
+            tiers: list[tuple[str, list[Replica]]] = [
+                (SAME_NODE, [r for r in decoders if r.spec.node == node])
             ]
-            table = self.registry.table(msg.model)
-            if near and table is not None:
-                floor = table.load_floor()
-                least = min(float(table.load[r.row]) for r in near)
-                if least <= floor + self.config.routing.overload_abs:
-                    decode_candidates = near
+            switches = self.node_switches
+            if switch := switches.get(node, ""):
+                near = [r for r in decoders if switches.get(r.spec.node) == switch]
+                tiers.append((SAME_SWITCH, near))
+            load = table.load
+            tier = near_tier(
+                tiers,
+                lambda r: float(load[r.row]),
+                table.load_floor(),
+                self.config.routing.overload_abs,
+            )
+            if tier is not None:
+                decode_candidates = list(tier[1])
         replica = self.decider.pick(msg, now, decode_candidates)
         if replica is None and decode_candidates is not candidates:
             replica = self.decider.pick(msg, now, candidates)
@@ -627,13 +707,9 @@ class RouterServer:
         if replica is None:
             if prefill is not None:
                 self.registry.released(prefill.replica_id)
-            return self._unserved(msg.request_id, NO_REPLICA, asked)
+            return self._unserved(msg.request_id, NO_REPLICA, asked, served=served_as)
         self.metrics.routed.inc()
-        if prefill is None:
-            placement = "whole"
-        else:
-            placement = "same_node" if prefill.spec.node == replica.spec.node else "other_node"
-        self.metrics.pd_routes.labels(placement).inc()
+        self.metrics.pd_routes.labels(self._placement(prefill, replica)).inc()
         return p.RouteReply(
             msg.request_id,
             replica.replica_id,
@@ -644,6 +720,16 @@ class RouterServer:
             prefill_replica_id=prefill.replica_id if prefill is not None else "",
             prefill_url=prefill.spec.url if prefill is not None else "",
         )
+
+    def _placement(self, prefill: Replica | None, decode: Replica) -> str:
+        if prefill is None:
+            return "whole"
+        if prefill.spec.node == decode.spec.node:
+            return SAME_NODE
+        switch = self.node_switches.get(prefill.spec.node, "")
+        if switch and self.node_switches.get(decode.spec.node) == switch:
+            return SAME_SWITCH
+        return "other_node"
 
     def _publish_gauges(self) -> None:
         models = self.registry.models()

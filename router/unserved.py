@@ -5,6 +5,12 @@ for it and asks again, and every such Route is recorded here. The pool manager r
 in its one ListReplicas per poll (ReplicaList.unserved) and wakes the pool. Names come from
 clients, so the book is bounded: entries older than `keep_s` go, and past `max_models` the
 oldest does.
+
+A name the router resolves is recorded as what it resolves to as well (router/server.py):
+an alias whose replicas were found but none could take the request, under the served name
+it routes to; an alias or a LoRA adapter with no replica at all, in a second book under the
+registry version it resolves to (the alias's drawn version, the adapter's base version),
+which the pool manager maps to the pool serving that version (ReplicaList.unserved_refs).
 """
 
 from __future__ import annotations

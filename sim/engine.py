@@ -20,8 +20,9 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from hpcserve.contracts import kv_wire as kw
 from hpcserve.contracts.protocol import ReplicaLoad
@@ -30,6 +31,7 @@ from hpcserve.sim.metrics import SimMetrics
 from hpcserve.sim.scheduler import Scheduler, SchedulerLimits, SimRequest, Status, StepPlan
 from hpcserve.sim.timing import SimHardware
 from hpcserve.sim.tokenizer import SimTokenizer
+from hpcserve.sim.transfer import KVTransferConfig, prefill_answer, remote_decode, remote_prefill
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,9 @@ class SimConfig:
     # Fault injection (--sim-error-rate): this share of completion requests is answered
     # 500 before any token, as an engine that fails would.
     error_rate: float = 0.0
+    # A KV-transfer connector (--kv-transfer-config, sim/transfer.py): a prefill replica
+    # answers kv_transfer_params, a decode replica loads a prompt instead of computing it.
+    kv_transfer: KVTransferConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class SimEngine:
         self.busy_s = 0.0
         # Request id -> what the replica was doing when it arrived (--request-trace only).
         self._arrived: dict[str, dict[str, object]] = {}
+        # Decode requests whose prompt's KV cache is on its way (sim/transfer.py).
+        self._loading: set[asyncio.Task[None]] = set()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -128,6 +135,8 @@ class SimEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
 
     async def stop(self) -> None:
+        for loading in list(self._loading):
+            loading.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -148,15 +157,28 @@ class SimEngine:
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            waiting=self.waiting,
             kv_usage=self.kv.usage,
             # As the engine agent reports a real vLLM's (num_gpu_blocks x block_size).
             kv_capacity_tokens=self.kv.num_blocks * self.kv.block_size,
         )
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, priority: int = 0) -> SimRequest:
+    @property
+    def waiting(self) -> int:
+        """Requests waiting, those whose KV cache is on its way included (as vLLM counts
+        its WAITING_FOR_REMOTE_KVS requests)."""
+        return len(self.scheduler.waiting) + len(self._loading)
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        priority: int = 0,
+        kv_params: Mapping[str, Any] | None = None,
+    ) -> SimRequest:
         """Queue a request (ValueError when it can never fit); read it with ``stream``.
-        ``priority`` (lower first) counts under the priority policy only, as in vLLM."""
+        ``priority`` (lower first) counts under the priority policy only, as in vLLM.
+        ``kv_params``: the request's kv_transfer_params (used with a connector only)."""
         if self._wake is None:
             raise EngineClosed("the engine is not running")
         if max_tokens < 1:
@@ -173,10 +195,42 @@ class SimEngine:
         )
         if self.config.request_trace:
             self._arrived[req.request_id] = self._state_at_arrival()
+        transfer = self.config.kv_transfer
+        if transfer is not None and remote_prefill(kv_params):
+            self.scheduler.check(req)
+            req.remote_kv = True
+            self._streams[req.request_id] = asyncio.Queue()
+            task = asyncio.get_running_loop().create_task(self._load(req, transfer))
+            self._loading.add(task)
+            task.add_done_callback(self._loading.discard)
+            return req
+        if transfer is not None and remote_decode(kv_params):
+            req.remote_decode = True
         self.scheduler.add(req)
         self._streams[req.request_id] = asyncio.Queue()
         self._wake.set()
         return req
+
+    async def _load(self, req: SimRequest, transfer: KVTransferConfig) -> None:
+        """Move the prompt's KV cache from the prefill replica (modelled: the link's time
+        for the tokens this replica's prefix cache lacks), then queue the request."""
+        bs = self.kv.block_size
+        local = len(self.kv.cached_prefix_blocks(req.prompt_ids)) * bs
+        nbytes = (len(req.prompt_ids) - local) * self.config.hardware.kv_bytes_per_token
+        seconds = transfer.transfer_s(nbytes)
+        await asyncio.sleep(seconds * self.config.time_scale)
+        self.metrics.observe_transfer(seconds, nbytes)
+        if req.status is Status.FINISHED or self._wake is None:
+            return  # aborted while its KV cache was on its way
+        self.scheduler.add(req)
+        self._wake.set()
+
+    def kv_transfer_answer(self, req: SimRequest) -> dict[str, Any] | None:
+        """The kv_transfer_params a finished request answers with (None: none)."""
+        transfer = self.config.kv_transfer
+        if transfer is None or not req.remote_decode:
+            return None
+        return prefill_answer(transfer, req.request_id, req.block_ids, len(req.prompt_ids))
 
     def _state_at_arrival(self) -> dict[str, object]:
         sched = self.scheduler
@@ -270,6 +324,7 @@ class SimEngine:
             decoded += 1
             if len(req.output_ids) == 1:
                 prompt_tokens += len(req.prompt_ids)  # vLLM counts a prompt at its first token
+                self.metrics.observe_prompt(req)
             else:
                 self.metrics.itl.observe(now - req.last_token_s)
             req.last_token_s = now
@@ -293,7 +348,7 @@ class SimEngine:
         m.generation_tokens.inc(decoded)
         m.preemptions.inc(len(plan.preempted))
         m.observe_cache(self.kv.queries, self.kv.hits)
-        m.observe_state(len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage)
+        m.observe_state(len(self.scheduler.running), self.waiting, self.kv.usage)
 
     def _publish(self) -> None:
         events = self.kv.take_events()

@@ -157,6 +157,7 @@ class SimFleet:
                 max_model_len=config.limits.max_model_len,
                 **kv,
                 role=role,
+                kv_connector=config.kv_transfer.connector if config.kv_transfer else "",
             )
             engine = SimEngine(replica_config, tokenizer)
             self.replicas.append(FleetReplica(i, engine, sock, registration))
@@ -224,7 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--router", required=True, help="the router's registry endpoint")
     parser.add_argument("--pool", default="")
     parser.add_argument(
-        "--role", choices=["interactive", "batch"], default="interactive", help="the pool's role"
+        "--role",
+        choices=["interactive", "batch", "prefill", "decode"],
+        default="interactive",
+        help="the pool's role (prefill, decode: give --kv-transfer-config too)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--advertise-host", default="")

@@ -7,6 +7,10 @@ real Slurm jobs that are ready in a second. It is never a substitute for vLLM wh
 engine itself is under test. SIGTERM drains like vLLM with --shutdown-timeout: new
 connections are refused, running requests finish, then the process exits 0.
 
+`--sim-load-s LO[,HI]` (with `--sim-load-seed N`) makes it serve only a drawn staging +
+load time after its job started, as a real engine would (sim/startup.py): for rehearsals
+and benchmarks of cold starts.
+
 `--headless` stands in for a headless vLLM on node rank > 0 of a multi-node replica: it
 serves nothing and exits 0 on SIGTERM or SIGINT, so multi-node wiring (srun, ranks, drain)
 can be tested without vLLM.
@@ -25,6 +29,7 @@ import uvicorn
 
 from hpcserve.contracts.engine_token import TOKEN_ENV, EngineTokenGuard
 from hpcserve.sim.options import OptionsError, add_arguments, sim_config
+from hpcserve.sim.startup import LoadSpecError, parse_load_s, wait_loaded
 
 
 def wait_headless() -> None:
@@ -42,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--sim-load-s", default="", help="staging + load: serve LO[,HI] s after the job started"
+    )
+    parser.add_argument("--sim-load-seed", type=int, default=None, help="seeds --sim-load-s")
     add_arguments(parser)
     args, _unknown_vllm_args = parser.parse_known_args(argv)
     if args.headless:
@@ -51,7 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--port is required unless --headless")
     try:
         config = sim_config(args)
-    except OptionsError as err:
+        if args.sim_load_s:
+            parse_load_s(args.sim_load_s)
+    except (OptionsError, LoadSpecError) as err:
         print(f"sim engine: {err}", file=sys.stderr)
         sys.exit(2)
     from hpcserve.sim.engine import SimEngine
@@ -59,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
     from hpcserve.sim.tokenizer import load_tokenizer
 
     engine = SimEngine(config, load_tokenizer(args.model or None))
+    if args.sim_load_s:
+        drawn = wait_loaded(args.sim_load_s, args.sim_load_seed)
+        print(f"sim engine: staging + load {drawn:.2f} s after the job started", flush=True)
     print(
         f"sim engine {config.served_model_name}: {config.hardware.description}, "
         f"{config.hardware.kv_blocks} KV blocks of {config.hardware.block_size}, "

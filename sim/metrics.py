@@ -26,6 +26,10 @@ LATENCY_BUCKETS = (
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# vLLM's NIXL connector's (vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py).
+XFER_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+XFER_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 
 
 class SimMetrics:
@@ -54,6 +58,24 @@ class SimMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            [*labels, "source"],
+            registry=r,
+        )
+        self.prompt_by_source = {s: by_source.labels(*values, s) for s in PROMPT_SOURCES}
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
+        )
+        # The modelled KV transfers of a decode replica (sim/transfer.py), under the names
+        # vLLM's NIXL connector exports.
+        self.xfer_time = histogram(
+            "vllm:nixl_xfer_time_seconds", "KV-cache transfer duration.", XFER_TIME_BUCKETS
+        )
+        self.xfer_bytes = histogram(
+            "vllm:nixl_bytes_transferred", "Bytes per KV-cache transfer.", XFER_BYTES_BUCKETS
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -89,6 +111,20 @@ class SimMetrics:
         self.prefix_queries.inc(queries - self._queries_seen)
         self.prefix_hits.inc(hits - self._hits_seen)
         self._queries_seen, self._hits_seen = queries, hits
+
+    def observe_prompt(self, req: SimRequest) -> None:
+        """A prompt, once computed (at its first token, as vLLM counts it), by source."""
+        total = len(req.prompt_ids)
+        external = req.external_tokens
+        local = min(req.cached_tokens, total - external)
+        self.prompt_by_source["external_kv_transfer"].inc(external)
+        self.prompt_by_source["local_cache_hit"].inc(local)
+        self.prompt_by_source["local_compute"].inc(total - external - local)
+        self.prompt_cached.inc(external + local)
+
+    def observe_transfer(self, seconds: float, nbytes: float) -> None:
+        self.xfer_time.observe(seconds)
+        self.xfer_bytes.observe(nbytes)
 
     def observe_finished(self, req: SimRequest) -> None:
         self.success.get(req.finish_reason, self.success["stop"]).inc()

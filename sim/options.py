@@ -4,7 +4,8 @@ vLLM flags honoured: --model (the directory whose tokenizer and config.json are 
 --served-model-name, --host, --port, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --block-size, --num-gpu-blocks-override,
 --tensor-parallel-size, --kv-events-config (JSON, as vLLM takes it), --scheduling-policy
-(fcfs, priority) and --shutdown-timeout. Other vLLM flags (--dtype ...) are accepted and
+(fcfs, priority), --shutdown-timeout and --kv-transfer-config (a prefill or decode replica:
+any connector, modelled by sim/transfer.py). Other vLLM flags (--dtype ...) are accepted and
 ignored, so a pool's engine_args work for either engine.
 
 The simulator's own: --sim-gpu (a GPU of the planner's catalog), --sim-model (a catalog
@@ -13,6 +14,8 @@ llama-3.1-8b), --sim-weights-dtype / --sim-kv-dtype (bf16 default), --time-scale
 seconds per modelled second), and --prefill-ms-per-token / --decode-ms-per-token, which
 replace the roofline by fixed timing. --sim-error-rate injects faults: that share of
 completion requests is answered 500 (vLLM's error shape) before any token.
+--sim-kv-link-gbps / --sim-kv-link-latency-ms: the link a decode replica loads a prompt's
+KV cache over (default: the planner's InfiniBand preset, 320 Gb/s achievable, 0.1 ms).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from hpcserve.planner.factors import Factors
 from hpcserve.sim.engine import KVEventsConfig, SimConfig
 from hpcserve.sim.scheduler import POLICIES, SchedulerLimits
 from hpcserve.sim.timing import SimHardware, fixed_hardware, hardware
+from hpcserve.sim.transfer import DEFAULT_LINK_GBPS, DEFAULT_LINK_LATENCY_MS
+from hpcserve.sim.transfer import parse as parse_kv_transfer
 
 DEFAULT_SIM_MODEL = "llama-3.1-8b"
 
@@ -45,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks-override", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--kv-events-config", default="", help="vLLM's KV-events JSON")
+    parser.add_argument("--kv-transfer-config", default="", help="vLLM's KV-transfer JSON")
+    parser.add_argument(
+        "--sim-kv-link-gbps",
+        type=float,
+        default=DEFAULT_LINK_GBPS,
+        help="link a decode replica loads KV over, Gb/s",
+    )
+    parser.add_argument("--sim-kv-link-latency-ms", type=float, default=DEFAULT_LINK_LATENCY_MS)
     parser.add_argument("--scheduling-policy", default="fcfs", help="fcfs or priority")
     parser.add_argument("--sim-gpu", default="h100", help="GPU of the planner's catalog")
     parser.add_argument("--sim-model", default="", help="catalog model or config.json")
@@ -115,6 +128,7 @@ def sim_hardware(args: argparse.Namespace) -> SimHardware:
         (args.decode_ms_per_token or 0.0) / 1000,
         kv_blocks=hw.kv_blocks,
         block_size=hw.block_size,
+        kv_bytes_per_token=hw.kv_bytes_per_token,
     )
 
 
@@ -138,6 +152,12 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         hw = sim_hardware(args)
     except PlanError as err:
         raise OptionsError(str(err)) from None
+    try:
+        kv_transfer = parse_kv_transfer(
+            args.kv_transfer_config, args.sim_kv_link_gbps, args.sim_kv_link_latency_ms
+        )
+    except ValueError as err:
+        raise OptionsError(str(err)) from None
     max_model_len = args.max_model_len or hw.max_context or 131072
     return SimConfig(
         served_model_name=args.served_model_name,
@@ -153,4 +173,5 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         default_max_tokens=args.default_max_tokens,
         request_trace=args.request_trace,
         error_rate=args.sim_error_rate,
+        kv_transfer=kv_transfer,
     )

@@ -61,6 +61,13 @@ class SimRequest:
     started: bool = False
     priority: int = 0  # lower first, under the priority policy
     order: int = 0  # set by the scheduler: breaks ties of equal arrival times
+    # Disaggregated decode (sim/transfer.py): its prompt's KV cache came from a prefill
+    # replica, so it starts with the prompt computed but the last token; external_tokens:
+    # the prompt tokens that came that way (set when first scheduled).
+    remote_kv: bool = False
+    external_tokens: int = 0
+    remote_decode: bool = False  # a prefill step: it answers kv_transfer_params
+    block_ids: list[int] = field(default_factory=list)  # the blocks it held when it finished
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +172,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: SimRequest) -> None:
+        self.check(request)
+        request.order = next(self._order)
+        self.waiting.add(request)
+
+    def check(self, request: SimRequest) -> None:
+        """ValueError when the request can never run here."""
         if len(request.prompt_ids) >= self.limits.max_model_len:
             raise ValueError(
                 f"prompt of {len(request.prompt_ids)} tokens leaves no room for output within "
@@ -175,8 +188,6 @@ class Scheduler:
                 f"prompt of {len(request.prompt_ids)} tokens needs more KV blocks than the "
                 f"cache has ({self.kv.num_blocks} of {self.kv.block_size} tokens)"
             )
-        request.order = next(self._order)
-        self.waiting.add(request)
 
     def abort(self, request: SimRequest, reason: str = "abort") -> None:
         if request.status is Status.FINISHED:
@@ -226,6 +237,9 @@ class Scheduler:
                 req.num_computed = cached
                 if not req.started:
                     req.cached_tokens = cached
+                    if req.remote_kv:  # loaded, not computed: all but the last token
+                        req.num_computed = max(cached, len(req.prompt_ids) - 1)
+                        req.external_tokens = len(req.prompt_ids) - cached
             tokens = min(req.num_tokens - req.num_computed, budget)
             if not self.kv.allocate(req.request_id, req.num_computed + tokens):
                 # All or nothing, as vLLM allocates: a waiting request that kept the cached
@@ -292,6 +306,7 @@ class Scheduler:
         self._finish(req, reason, now_s)
 
     def _finish(self, req: SimRequest, reason: str, now_s: float) -> None:
+        req.block_ids = self.kv.blocks_of(req.request_id)
         self.kv.free(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason

@@ -5,7 +5,9 @@
 ``stream_options.include_usage`` adds a last chunk with ``choices: []`` and the usage),
 /reset_prefix_cache (POST, as vLLM's dev-mode endpoint) and /kv_event_sources. A request's
 priority is the ``X-Vllm-Priority`` header, else the body's ``priority`` (vLLM's order). Errors
-have vLLM's OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``.
+have vLLM's OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``. With a
+KV-transfer connector (sim/transfer.py) the body's ``kv_transfer_params`` count, and a
+whole answer carries the engine's ``kv_transfer_params`` (null when it has none).
 """
 
 from __future__ import annotations
@@ -126,7 +128,10 @@ def build_app(
                     prompt_ids = engine.tokenizer.prompt_ids(prompt)
                 else:
                     raise ValueError("prompt must be a string or a list of token ids")
-            req = engine.submit(prompt_ids, max_tokens, request_priority(request, body))
+            kv_params = body.get("kv_transfer_params")
+            if kv_params is not None and not isinstance(kv_params, dict):
+                raise ValueError("kv_transfer_params must be an object")
+            req = engine.submit(prompt_ids, max_tokens, request_priority(request, body), kv_params)
         except (ValueError, TokenizerError) as err:
             return error(str(err), 400)
         except EngineClosed as err:
@@ -148,7 +153,10 @@ def build_app(
         async for out in engine.stream(req):
             text.append(out.text)
             finish = out.finish_reason or finish
-        return JSONResponse(reply.whole("".join(text), finish, reply.usage(req)))
+        answer = reply.whole("".join(text), finish, reply.usage(req))
+        if engine.config.kv_transfer is not None:  # as vLLM's, with a connector
+            answer["kv_transfer_params"] = engine.kv_transfer_answer(req)
+        return JSONResponse(answer)
 
     return Starlette(
         routes=[
@@ -187,7 +195,8 @@ class _Reply:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+            # vLLM's: local prefix-cache hits and KV transferred from a prefill replica.
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens + req.external_tokens},
         }
 
     def whole(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from hpcserve.planner.factors import Factors
 from hpcserve.planner.gpus import get_gpu
 from hpcserve.planner.models import ModelSpec, resolve_model
 from hpcserve.planner.perfmodel import Roofline, StepBatch, StepModel, StepTime
-from hpcserve.planner.replica import Replica, check_tp, memory_fit
+from hpcserve.planner.replica import Replica, check_tp, kv_bytes_per_token, memory_fit
 
 
 class FixedStep:
@@ -48,6 +48,9 @@ class SimHardware:
     block_size: int
     description: str
     max_context: int = 0
+    # The model's KV cache per token, whole model (2 x layers x KV heads x head dim x bytes):
+    # what a prefill replica hands a decode replica per prompt token (sim/transfer.py).
+    kv_bytes_per_token: float = 0.0
 
 
 def hardware(
@@ -91,11 +94,17 @@ def hardware(
         fit.kv_block_tokens,
         f"{spec.name} ({weights_dtype}, KV {kv_dtype}) on {tp} x {gpu_spec.name}",
         spec.max_context,
+        kv_bytes_per_token(spec, kv_dtype),
     )
 
 
 def fixed_hardware(
-    prefill_s_per_token: float, decode_s: float, *, kv_blocks: int, block_size: int
+    prefill_s_per_token: float,
+    decode_s: float,
+    *,
+    kv_blocks: int,
+    block_size: int,
+    kv_bytes_per_token: float = 0.0,
 ) -> SimHardware:
     return SimHardware(
         FixedStep(prefill_s_per_token, decode_s),
@@ -103,4 +112,5 @@ def fixed_hardware(
         block_size,
         f"fixed timing: {prefill_s_per_token * 1e3:g} ms per prompt token, "
         f"{decode_s * 1e3:g} ms per decode step",
+        kv_bytes_per_token=kv_bytes_per_token,
     )

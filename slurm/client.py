@@ -29,6 +29,7 @@ from hpcserve.slurm.parse import (
     parse_sacct,
     parse_sbatch_parsable,
     parse_scontrol_show_node_json,
+    parse_scontrol_show_topology,
     parse_squeue_json,
 )
 
@@ -106,6 +107,8 @@ class SlurmClient(Protocol):
     def resume_node(self, node: str) -> None: ...
 
     def release(self) -> str: ...
+
+    def topology(self) -> dict[str, str]: ...
 
 
 class SlurmCLI:
@@ -275,6 +278,18 @@ class SlurmCLI:
         except SlurmParseError as exc:
             raise SlurmError(
                 f"cannot read the node list: {exc}", argv=argv, stderr=res.stderr
+            ) from exc
+
+    def topology(self) -> dict[str, str]:
+        """Node -> its leaf switch (`scontrol show topology`, topology/tree); {} where the
+        site has no switch topology (Slurm then says so on stderr and exits 0)."""
+        argv = ["scontrol", "show", "topology"]
+        res = self._run(argv)
+        try:
+            return parse_scontrol_show_topology(res.stdout)
+        except SlurmParseError as exc:
+            raise SlurmError(
+                f"cannot read the switch topology: {exc}", argv=argv, stderr=res.stderr
             ) from exc
 
     def drain_node(self, node: str, reason: str) -> None:

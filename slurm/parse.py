@@ -186,6 +186,41 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return out
 
 
+def parse_scontrol_show_topology(text: str) -> dict[str, str]:
+    """Node -> its leaf switch, from `scontrol show topology` (topology/tree), one line per
+    switch as Slurm 22.05 to 25.x print it:
+
+        SwitchName=s1 Level=0 LinkSpeed=1 Nodes=n[1-2]
+        SwitchName=top Level=1 LinkSpeed=1 Nodes=n[1-4] Switches=s[1-2]
+
+    A leaf switch is one of level 0 (without a Level: one without Switches below it); an
+    upper switch lists its leaves' nodes too, and is not what a node hangs off. A node under
+    two leaves (a site's config error) keeps the first. Lines of other plugins (topology/
+    block's BlockName=...) and Slurm's notes carry no switch: {} when there is none at all,
+    as where no topology plugin is configured ("No topology information available", on
+    stderr). Raises SlurmParseError on a switch line it cannot read."""
+    switches: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if not words or not words[0].startswith("SwitchName="):
+            continue
+        fields: dict[str, str] = {}
+        for word in words:
+            key, sep, value = word.partition("=")
+            if not sep:
+                raise SlurmParseError(f"not key=value: {word!r} in topology line {_snippet(line)}")
+            fields[key] = value
+        name = fields["SwitchName"]
+        level = fields.get("Level")
+        below = fields.get("Switches", "(null)")
+        leaf = level.strip() == "0" if level is not None else below in ("", "(null)")
+        if not name or not leaf:
+            continue
+        for node in expand_hostlist(fields.get("Nodes", "")):
+            switches.setdefault(node, name)
+    return switches
+
+
 def _split_top_level(text: str, whole: str) -> list[str]:
     tokens: list[str] = []
     cur: list[str] = []
@@ -578,6 +613,7 @@ __all__ = [
     "parse_sacct",
     "parse_sbatch_parsable",
     "parse_scontrol_show_node_json",
+    "parse_scontrol_show_topology",
     "parse_squeue_json",
 ]
 

@@ -1,19 +1,35 @@
 """Subprocess services for tests (gateways, simulated engines): started, waited on until
-their /health answers, and always stopped, even when the wait fails."""
+their /health answers, and always stopped, even when the wait fails; and the config of a
+whole stack that `hpcserve up` starts (`stack_config`)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
-from hpcserve.config import RouterConfig, dump_config, parse_config
+from hpcserve.config import (
+    ApiKey,
+    BatchConfig,
+    EngineHostConfig,
+    GatewayConfig,
+    Launcher,
+    PlatformConfig,
+    PoolConfig,
+    PoolMgrConfig,
+    RouterConfig,
+    SlurmConfig,
+    dump_config,
+    hash_api_key,
+    parse_config,
+)
 from tests.ports import free_port
 
 
@@ -118,3 +134,48 @@ def metrics_headers(config_path: object) -> dict[str, str]:
 
     token = read_token(load_config(Path(str(config_path))).metrics_token_path())
     return {"Authorization": f"Bearer {token}"}
+
+
+def stack_config(
+    state: Path,
+    *,
+    api_keys: Mapping[str, str],
+    pools: Sequence[PoolConfig],
+    launcher: Launcher = "slurm",
+    drain_s: int = 20,
+) -> PlatformConfig:
+    """The config of a whole test stack in `state`, as `hpcserve up` starts it: router,
+    gateway, pool manager and batch runner on free ports (none on a fixed port another stack
+    may hold), a 1 s heartbeat and poll, the gateway's `api_keys` (tenant -> key), `pools`;
+    engines on loopback, the node cache in <state>/nodecache, job output in <state>/jobs.
+    With `launcher` "slurm", jobs go to partition gpu of the two-node cluster `up` starts
+    from <state>/slurm (60 min limit); `drain_s`, the engines' drain on stop. No curve_dir:
+    CURVE by default in <state>/curve, as loading the written config (or
+    `with_default_curve_dir`) gives. What else a test varies it sets on the result with
+    `msgspec.structs.replace`."""
+    slurm = SlurmConfig(time_limit_min=60, drain_s=drain_s, log_dir=str(state / "jobs"))
+    if launcher == "slurm":
+        slurm = msgspec.structs.replace(
+            slurm, partition="gpu", conf=str(state / "slurm" / "slurm.conf")
+        )
+    return PlatformConfig(
+        state_dir=str(state),
+        router=RouterConfig(
+            registry_bind=f"tcp://127.0.0.1:{free_port()}",
+            routing_bind=f"tcp://127.0.0.1:{free_port()}",
+            lease_s=6.0,
+            heartbeat_s=1.0,
+            metrics_port=free_port(),
+        ),
+        gateway=GatewayConfig(
+            port=free_port(),
+            api_keys=[ApiKey(tenant=t, sha256=hash_api_key(k)) for t, k in api_keys.items()],
+        ),
+        slurm=slurm,
+        poolmgr=PoolMgrConfig(launcher=launcher, poll_s=1.0, metrics_port=free_port()),
+        batch=BatchConfig(metrics_port=free_port()),
+        engine=EngineHostConfig(
+            bind_host="127.0.0.1", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
+        ),
+        pools=list(pools),
+    )

@@ -469,3 +469,87 @@ def compare(
         splits=splits,
         transfer_ms=[link.transfer_s(s.prompt * kv_bytes_per_token) * 1e3 for s in shapes],
     )
+
+
+class RoleCapacity(msgspec.Struct, frozen=True):
+    """What one replica of a prefill or decode pool sustains within its part of the SLO."""
+
+    requests_per_s: float
+    in_flight: float  # requests it holds at that rate (Little's law; decode: its batch)
+    bound: str  # what stops it: the SLO, the KV cache or max_num_seqs
+    met: bool  # False: it misses the SLO even at the lightest load
+
+
+def prefill_capacity(
+    model: StepModel, engine: Engine, mix_shapes: list[Shape], ttft_s: float
+) -> RoleCapacity:
+    """One prefill-only replica: the largest rate whose TTFT p95 there (the M/G/1 wait for
+    the prompts ahead plus its own, in chunks of the token budget) is within ``ttft_s``.
+    The KV transfer and the decode's first step come on top of what is counted here."""
+    mix = _Mix(mix_shapes)
+    shares = [s.share for s in mix.shapes]
+    services = [prefill_service_s(model, s.prompt, engine.token_budget) for s in mix.shapes]
+    mean = sum(a * x for a, x in zip(shares, services, strict=True))
+    second = sum(a * x * x for a, x in zip(shares, services, strict=True))
+
+    def ttft_p95(rate: float) -> float:
+        wait = _wait_tail(rate, list(zip(shares, services, strict=True)))
+        return _quantile(
+            lambda x: sum(a * wait(x - s) for a, s in zip(shares, services, strict=True)),
+            P95,
+            max(services),
+        )
+
+    def at(rate: float, bound: str, met: bool) -> RoleCapacity:
+        rho = rate * mean
+        wait = rate * second / (2 * (1 - rho)) if rho < 1 else math.inf  # Pollaczek-Khinchine
+        return RoleCapacity(rate, rate * (wait + mean), bound, met)
+
+    if ttft_p95(1e-9) > ttft_s:  # at the lightest load
+        return at(0.5 / mean, f"its prompt alone takes {max(services):.3g} s", False)
+    low, high = 0.0, 1 / mean
+    for _ in range(50):
+        mid = (low + high) / 2
+        if ttft_p95(mid) <= ttft_s:
+            low = mid
+        else:
+            high = mid
+    return at(low, f"TTFT p95 {ttft_s:g} s", True)
+
+
+def decode_capacity(
+    model: StepModel, engine: Engine, mix_shapes: list[Shape], tpot_s: float
+) -> RoleCapacity:
+    """One decode-only replica: the largest batch whose step (``T_d(B)``: no prompt shares
+    it) is within ``tpot_s``, capped by the KV cache and max_num_seqs; its rate by Little's
+    law, ``B / (O-bar x T_d(B))``."""
+    mix = _Mix(mix_shapes)
+
+    def step(batch: int) -> float:
+        return model.step_time(decode_step(batch, mix.decode_context)).total_s
+
+    by_kv = int(engine.kv_tokens // mix.decode_context)
+    cap, bound = (
+        (engine.max_seqs, "max_num_seqs") if engine.max_seqs <= by_kv else (by_kv, "KV cache")
+    )
+    if cap < 1:
+        raise PlanError(
+            f"the KV cache ({engine.kv_tokens} tokens) holds no sequence of "
+            f"{mix.decode_context:.0f} tokens"
+        )
+    if step(1) > tpot_s:
+        return RoleCapacity(
+            1 / (mix.output * step(1)), 1.0, f"TPOT {step(1):.3g} s at batch 1", False
+        )
+    low, high = 1, cap
+    if step(cap) > tpot_s:
+        bound = f"TPOT p95 {tpot_s:g} s"
+        while high - low > 1:
+            mid = (low + high) // 2
+            if step(mid) <= tpot_s:
+                low = mid
+            else:
+                high = mid
+    else:
+        low = cap
+    return RoleCapacity(low / (mix.output * step(low)), float(low), bound, True)

@@ -9,6 +9,8 @@ until the state is seen.
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,19 +24,31 @@ import pytest
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
-from hpcserve.config import ApiKey, GatewayConfig, PlatformConfig, dump_config, hash_api_key
+from hpcserve.config import (
+    ApiKey,
+    GatewayConfig,
+    PlatformConfig,
+    PoolConfig,
+    dump_config,
+    hash_api_key,
+)
 from hpcserve.contracts.engine_token import read_token
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
+from hpcserve.modelcache.manifest import build_manifest
+from hpcserve.modelcache.registry import Registry as ModelRegistry
 from hpcserve.poolmgr.cold_start import ColdStarts
 from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.poolmgr.state_files import read_status
 from hpcserve.ports import free_port
+from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
+from hpcserve.router.aliases import AliasCatalog, AliasRouter
 from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.slurm.parse import JobState, SlurmJob
 from tests.integration.slurm_helpers import cluster_config, wait_for
+from tests.routers import loopback_router_config, running_router
 from tests.services import gateway_argv, service
 
 pytestmark = pytest.mark.slurm
@@ -295,3 +309,145 @@ def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_ze
         assert reason_starts("up 0->1: ")()
     history = "\n".join(r.getMessage() for r in caplog.records)
     assert history.count("autoscale up 0->1") == 2 and history.count("autoscale down 1->0") == 1
+
+
+def hpcserve(*argv: str) -> str:
+    """An admin's `hpcserve` command, as its own process; its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hpcserve.cli", *argv],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_an_admins_scale_override_wins_over_the_autoscaler_until_reset(
+    cluster: LocalSlurm,
+    slurm: SlurmCLI,
+    router: RouterServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`hpcserve scale p 3` on an idle autoscaled pool (min 1): it goes to 3 and stays
+    there, though the autoscaler would take an idle pool down within 4 s; `hpcserve scale p
+    --reset` gives it back, and the autoscaler drains it to its floor step by step."""
+    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
+    config = cluster_config(cluster, router, tmp_path, "ov", POOL)
+    path = tmp_path / "hpcserve.toml"
+    path.write_text(dump_config(config))
+    registry = CollectorRegistry()
+    manager = PoolManager(config, slurm, metrics_registry=registry)
+
+    def ours() -> list[SlurmJob]:
+        return [j for j in slurm.jobs(name_prefix="ov-").jobs if j.name == "ov-p"]
+
+    def serving() -> int:
+        return sum(1 for r in list_replicas(router.config.routing_bind) if r.pool == "p")
+
+    def auto() -> Any:
+        status = read_status(tmp_path)
+        return status.pools[0].autoscale if status is not None else None
+
+    def decisions(direction: str) -> float:
+        sample = registry.get_sample_value(
+            "hpcserve_poolmgr_autoscale_decisions_total", {"pool": "p", "direction": direction}
+        )
+        return sample or 0.0
+
+    with Polling(manager):
+        wait_for("one serving replica", lambda: serving() == 1)
+        assert hpcserve("scale", "p", "3", "--config", str(path)).startswith(
+            "pool p: desired replicas 3; autoscaling paused until --reset"
+        )
+        wait_for("three serving replicas", lambda: serving() == 3)
+        # Idle all along: with no override the pool would have gone down 2 s into its slack
+        # (scale_down_window_s), and again 2 s later (the cooldown). Waited past that:
+        window = 2 + 2  # POOL's scale_down_window_s + scale_down_cooldown_s
+        wait_for("the pool idle past its scale-down window and cooldown, twice",
+                 lambda: (s := manager.autoscaled.signals.get("p")) is not None
+                 and s.idle_s is not None and s.idle_s > 3 * window)  # fmt: skip
+        assert (auto().target, len([j for j in ours() if j.state.is_active])) == (3, 3)
+        assert (decisions("override"), decisions("down")) == (1, 0)
+        pinned = hpcserve("status", "--config", str(path))
+        assert "1..3, target 3" in pinned, pinned
+        assert "last change: override 1->3: admin's `hpcserve scale`; autoscaling resumes " \
+            "after `hpcserve scale --reset`" in pinned, pinned  # fmt: skip
+        # Reset: the autoscaler takes the pool back from 3, and drains it to its floor.
+        assert hpcserve("scale", "p", "--reset", "--config", str(path)).startswith(
+            "pool p: autoscaling resumes"
+        )
+        wait_for("back to one job", lambda: len([j for j in ours() if j.state.is_active]) == 1)
+        wait_for("the status at 1", lambda: auto().target == 1)
+    assert [j.state for j in ours() if not j.state.is_active] == [JobState.COMPLETED] * 2
+    assert (decisions("override"), decisions("down")) == (2, 2)
+    back = hpcserve("status", "--config", str(path))
+    assert "1..3, target 1" in back and "last change: down 2->1: " in back, back
+    history = [m for r in caplog.records if (m := r.getMessage()).startswith("pool p: autoscale ")]
+    changes = [line.removeprefix("pool p: autoscale ").split(":")[0] for line in history]
+    assert changes == ["override 1->3", "override 3->3", "down 3->2", "down 2->1"], history
+    assert "override reset: autoscaling resumes at 3" in history[1], history
+
+
+def test_an_alias_or_lora_adapter_of_a_pool_at_zero_wakes_it(
+    cluster: LocalSlurm, slurm: SlurmCLI, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pools p (docs@1) and q (base@1) at zero, in the model registry with the alias
+    extraction -> docs@1 and the LoRA adapter base-lora bound to base@1. A request for the
+    alias wakes p and is held until p's replica serves it; one for the adapter wakes q (whose
+    simulated engine has no LoRA, so that request runs out of its 3 s hold: 503)."""
+    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
+    with ModelRegistry(tmp_path / "registry.sqlite3") as reg:
+        for name in ("docs", "base", "lora"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "weights.bin").write_bytes(name.encode() * 1000)
+        reg.add_version("docs", str(tmp_path / "docs"), build_manifest(tmp_path / "docs"))
+        reg.add_version("base", str(tmp_path / "base"), build_manifest(tmp_path / "base"))
+        reg.set_alias("extraction", "docs@1")
+        lora = tmp_path / "lora"
+        reg.add_adapter("base-lora", "base@1", str(lora), build_manifest(lora), rank=8)
+    catalogs = str(tmp_path / "registry.sqlite3")
+    asleep = {**ZERO_POOL, "autoscale": {**ZERO_POOL["autoscale"], "idle_s": 600}}
+    with running_router(
+        loopback_router_config(),
+        aliases=AliasRouter(AliasCatalog.from_registry(catalogs)),
+        adapters=AdapterRouter(AdapterCatalog.from_registry(catalogs)),
+    ) as router:
+        config = cluster_config(
+            cluster, router, tmp_path, "wk", {**asleep, "model_path": "", "model_ref": "docs@1"},
+            engine={"cache_dir": str(tmp_path / "cache" / "{node}")},
+        )  # fmt: skip
+        keys = [ApiKey(tenant="t", sha256=hash_api_key(KEY))]
+        gateway = msgspec.structs.replace(config.gateway, api_keys=keys, port=free_port())
+        config = msgspec.structs.replace(config, gateway=gateway)
+        short = {"autoscale": {**asleep["autoscale"], "wake_budget_s": 3}}
+        q = msgspec.convert(
+            {**asleep, **short, "name": "q", "model_path": "", "model_ref": "base@1"}, PoolConfig
+        )
+        config = msgspec.structs.replace(config, pools=[*config.pools, q])
+        (tmp_path / "gw.toml").write_text(dump_config(config))
+        manager = PoolManager(config, slurm, metrics_registry=CollectorRegistry())
+
+        def reason(pool: str) -> str:
+            status = read_status(tmp_path)
+            auto = {s.pool: s.autoscale for s in status.pools} if status else {}
+            return auto[pool].last_reason if auto.get(pool) else ""
+
+        def serving(pool: str) -> int:
+            return sum(1 for r in list_replicas(router.config.routing_bind) if r.pool == pool)
+
+        url = f"http://127.0.0.1:{config.gateway.port}"
+        with service(gateway_argv(tmp_path / "gw.toml"), url), Polling(manager):
+            client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+            wait_for("the pool manager's first status", lambda: read_status(tmp_path))
+            assert (serving("p"), serving("q")) == (0, 0)
+            reply = client.chat.completions.create(
+                model="extraction", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert reply.choices[0].finish_reason == "length"
+            assert reason("p").startswith("up 0->1: a request found no replica"), reason("p")
+            assert serving("q") == 0 and reason("q") == ""  # the alias woke only its pool
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model="base-lora", prompt="x", max_tokens=4)
+            assert refused.value.status_code == 503 and "model_starting" in str(refused.value)
+            wait_for("q woken by its adapter", lambda: serving("q") == 1)
+            assert reason("q").startswith("up 0->1: a request found no replica"), reason("q")

@@ -16,32 +16,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 
-from hpcserve.config import (
-    ApiKey,
-    BatchConfig,
-    EngineHostConfig,
-    GatewayConfig,
-    PlatformConfig,
-    PoolConfig,
-    PoolMgrConfig,
-    RouterConfig,
-    SlurmConfig,
-    dump_config,
-    hash_api_key,
-    with_default_curve_dir,
-)
+from hpcserve.config import PlatformConfig, PoolConfig, dump_config, with_default_curve_dir
 from hpcserve.contracts.engine_token import auth_headers, read_token
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import conf_processes, free_port_block
-from tests.ports import free_port
 from tests.processes import job_cgroup_processes, processes_mentioning, session_processes
-from tests.services import metrics_headers
+from tests.services import metrics_headers, stack_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -62,34 +49,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
     state = tmp_path_factory.mktemp("e2e") / "state"
     state.mkdir()
     _register_chat_model_and_adapters(state)
-    config = PlatformConfig(
-        state_dir=str(state),
-        router=RouterConfig(
-            registry_bind=f"tcp://127.0.0.1:{free_port()}",
-            routing_bind=f"tcp://127.0.0.1:{free_port()}",
-            lease_s=6.0,
-            heartbeat_s=1.0,
-            metrics_port=free_port(),
-        ),
-        gateway=GatewayConfig(
-            port=free_port(),
-            api_keys=[ApiKey(tenant="e2e", sha256=hash_api_key(API_KEY))],
-            # One replica: hints are skipped by default (nothing to choose); the KV-routing
-            # test below checks their hashes against vLLM's own, so they are sent anyway.
-            prefix_hints_min_replicas=1,
-        ),
-        slurm=SlurmConfig(
-            partition="gpu",
-            time_limit_min=60,
-            drain_s=20,
-            conf=str(state / "slurm" / "slurm.conf"),
-            log_dir=str(state / "jobs"),
-        ),
-        poolmgr=PoolMgrConfig(poll_s=1.0, metrics_port=free_port()),
-        batch=BatchConfig(metrics_port=free_port()),  # not 9103: another stack may hold it
-        engine=EngineHostConfig(
-            bind_host="127.0.0.1", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
-        ),
+    config = stack_config(
+        state,
+        api_keys={"e2e": API_KEY},
         pools=[
             PoolConfig(
                 name=MODEL,
@@ -115,6 +77,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             ),
         ],
     )
+    # One replica: hints are skipped by default (nothing to choose); the KV-routing test
+    # below checks their hashes against vLLM's own, so they are sent anyway.
+    gateway = msgspec.structs.replace(config.gateway, prefix_hints_min_replicas=1)
+    config = msgspec.structs.replace(config, gateway=gateway)
     config = with_default_curve_dir(config)  # CURVE in <state>/curve, as loading it gives
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(API_KEY + "\n")

@@ -19,17 +19,18 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from hpcserve.config import PlatformConfig, dump_config, hash_api_key, parse_config
+from hpcserve.config import Launcher, PlatformConfig, PoolConfig, dump_config
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import free_port_block, wait_for
-from tests.ports import free_port
 from tests.processes import job_cgroup_processes, session_processes
+from tests.services import stack_config
 
 pytestmark = pytest.mark.vllm
 
@@ -186,44 +187,24 @@ def test_a_drain_that_does_not_end_kills_the_tree(
 # `hpcserve up`, then the job cancelled or `hpcserve down` (`make down`) while vLLM loads.
 
 
-def stack_config(state: Path, model: Path, launcher: str) -> PlatformConfig:
+def loading_stack_config(state: Path, model: Path, launcher: Launcher) -> PlatformConfig:
+    """A stack whose one pool's vLLM takes long to load (torch.compile)."""
     shutil.copytree(model, state / "models" / "pt")
-    slurm = {"drain_s": 15, "log_dir": str(state / "jobs"), "time_limit_min": 30}
-    if launcher == "slurm":
-        slurm |= {"conf": str(state / "slurm" / "slurm.conf"), "partition": "gpu"}
-    return parse_config(
-        {
-            "state_dir": str(state),
-            "router": {
-                "registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-                "heartbeat_s": 1.0,
-                "metrics_port": free_port(),
-            },
-            "gateway": {
-                "port": free_port(),
-                "api_keys": [{"tenant": "t", "sha256": hash_api_key("sk-tree-test")}],
-            },
-            "slurm": slurm,
-            "poolmgr": {
-                "launcher": launcher,
-                "poll_s": 1.0,
-                "min_submit_interval_s": 0.5,
-                "metrics_port": free_port(),
-            },
-            "batch": {"metrics_port": free_port()},
-            "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
-            "pools": [
-                {
-                    "name": "pt",
-                    "model_path": str(state / "models" / "pt"),
-                    "engine": "vllm-cpu",
-                    # no --enforce-eager: torch.compile keeps vLLM loading for a minute
-                    "engine_args": ["--dtype", "float32", "--max-model-len", "512"],
-                    "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-                }
-            ],
-        }
+    pool = PoolConfig(
+        name="pt",
+        model_path=str(state / "models" / "pt"),
+        engine="vllm-cpu",
+        # no --enforce-eager: torch.compile keeps vLLM loading for a minute
+        engine_args=["--dtype", "float32", "--max-model-len", "512"],
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    config = stack_config(
+        state, api_keys={"t": "sk-tree-test"}, pools=[pool], launcher=launcher, drain_s=15
+    )
+    return msgspec.structs.replace(
+        config,
+        slurm=msgspec.structs.replace(config.slurm, time_limit_min=30),
+        poolmgr=msgspec.structs.replace(config.poolmgr, min_submit_interval_s=0.5),
     )
 
 
@@ -252,7 +233,7 @@ def test_down_while_vllm_loads_leaves_nothing_with_the_local_launcher(
 ) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    (state / "hpcserve.toml").write_text(dump_config(stack_config(state, model, "local")))
+    (state / "hpcserve.toml").write_text(dump_config(loading_stack_config(state, model, "local")))
     stack = Stack(state)
     try:
         assert stack.up(launcher="local", timeout_s=1) == 1  # not ready: vLLM loads
@@ -272,7 +253,7 @@ def test_a_cancelled_job_and_down_while_vllm_loads_leave_nothing_under_slurm(
 ) -> None:
     state = short_state_dir
     state.mkdir()
-    config = stack_config(state, model, "slurm")
+    config = loading_stack_config(state, model, "slurm")
     (state / "hpcserve.toml").write_text(dump_config(config))
     stack = Stack(state, slurm_port=free_port_block())
     slurm = SlurmCLI({**os.environ, "SLURM_CONF": config.slurm.conf}, timeout_s=10)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hpcserve.config import dump_config, hash_api_key, parse_config
-from tests.ports import free_port
+from hpcserve.config import PoolConfig, dump_config
 from tests.processes import processes_mentioning, session_processes
+from tests.services import stack_config
 
 pytestmark = pytest.mark.vllm
 
@@ -32,39 +32,14 @@ def hpcserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str
 def test_up_local_serves_then_down_stops_everything(tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    config = parse_config(
-        {
-            "state_dir": str(state),
-            "router": {
-                "registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-                "heartbeat_s": 1.0,
-                "metrics_port": free_port(),
-            },
-            "gateway": {
-                "port": free_port(),
-                "api_keys": [{"tenant": "t", "sha256": hash_api_key(KEY)}],
-            },
-            "slurm": {"drain_s": 15},
-            "poolmgr": {"launcher": "local", "poll_s": 1.0, "metrics_port": free_port()},
-            "batch": {"metrics_port": free_port()},  # `up` starts `hpcserve batch-runner` too
-            "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
-            "pools": [
-                {
-                    "name": "tiny-chat",
-                    "model_path": str(state / "models" / "tiny-chat"),
-                    "engine": "vllm-cpu",
-                    "engine_args": [
-                        "--dtype",
-                        "float32",
-                        "--enforce-eager",
-                        "--max-model-len",
-                        "512",
-                    ],
-                }
-            ],
-        }
+    pool = PoolConfig(
+        name="tiny-chat",
+        model_path=str(state / "models" / "tiny-chat"),
+        engine="vllm-cpu",
+        engine_args=["--dtype", "float32", "--enforce-eager", "--max-model-len", "512"],
     )
+    # `up` starts `hpcserve batch-runner` too (on a free port).
+    config = stack_config(state, api_keys={"t": KEY}, pools=[pool], launcher="local", drain_s=15)
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(KEY + "\n")
     try:

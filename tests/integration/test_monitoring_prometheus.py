@@ -19,12 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 
-from hpcserve.config import dump_config, hash_api_key, parse_config
+from hpcserve.config import CostConfig, PoolConfig, dump_config
 from tests.ports import free_port
-from tests.services import stop
+from tests.services import stack_config, stop
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-monitoring-test"
@@ -85,33 +86,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object
     state = tmp_path_factory.mktemp("monitoring") / "state"
     state.mkdir()
     targets = state.parent / "sd" / "engines.json"
-    config = parse_config(
-        {
-            "state_dir": str(state),
-            "router": {
-                "registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-                "heartbeat_s": 1.0,
-                "metrics_port": free_port(),
-            },
-            "gateway": {
-                "port": free_port(),
-                "api_keys": [{"tenant": "team-a", "sha256": hash_api_key(KEY)}],
-            },
-            "slurm": {"drain_s": 5},
-            "poolmgr": {
-                "launcher": "local",
-                "poll_s": 1.0,
-                "metrics_port": free_port(),
-                "scrape_targets_file": str(targets),
-            },
-            "batch": {"metrics_port": free_port()},
-            "cost": {"gpu_hour_price": 2.0},  # the cost dashboard's price
-            "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
-            "pools": [
-                {"name": "sim-chat", "model_path": "/nonexistent", "engine": "sim", "replicas": 2}
-            ],
-        }
+    config = stack_config(
+        state,
+        api_keys={"team-a": KEY},
+        pools=[PoolConfig(name="sim-chat", model_path="/nonexistent", engine="sim", replicas=2)],
+        launcher="local",
+        drain_s=5,
+    )
+    config = msgspec.structs.replace(
+        config,
+        poolmgr=msgspec.structs.replace(config.poolmgr, scrape_targets_file=str(targets)),
+        cost=CostConfig(gpu_hour_price=2.0),  # the cost dashboard's price
     )
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(KEY + "\n")

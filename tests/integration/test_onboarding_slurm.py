@@ -29,25 +29,12 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpcserve.config import (
-    ApiKey,
-    BatchConfig,
-    EngineHostConfig,
-    GatewayConfig,
-    PlatformConfig,
-    PoolConfig,
-    PoolMgrConfig,
-    RouterConfig,
-    SlurmConfig,
-    dump_config,
-    hash_api_key,
-)
+from hpcserve.config import PlatformConfig, PoolConfig, dump_config
 from hpcserve.modelcache.registry import Registry
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.stack import Stack
 from tests.integration.slurm_helpers import free_port_block, wait_for
-from tests.ports import free_port
-from tests.services import metrics_headers
+from tests.services import metrics_headers, stack_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -73,25 +60,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlatformConfig]:
     for name, extra in variants.items():  # docs@1, docs@2, docs@3
         _hpcserve("models", "make-tiny", "--kind", "chat", *extra, str(models / name))
         _hpcserve("models", "add", "docs", str(models / name), "--registry", registry)
-    config = PlatformConfig(
-        state_dir=str(state),
-        router=RouterConfig(
-            registry_bind=f"tcp://127.0.0.1:{free_port()}",
-            routing_bind=f"tcp://127.0.0.1:{free_port()}",
-            lease_s=6.0, heartbeat_s=1.0, metrics_port=free_port(),
-        ),
-        gateway=GatewayConfig(
-            port=free_port(), api_keys=[ApiKey(tenant="admin", sha256=hash_api_key(API_KEY))]
-        ),
-        slurm=SlurmConfig(
-            partition="gpu", time_limit_min=60, drain_s=20,
-            conf=str(state / "slurm" / "slurm.conf"), log_dir=str(state / "jobs"),
-        ),
-        poolmgr=PoolMgrConfig(poll_s=1.0, metrics_port=free_port()),
-        batch=BatchConfig(metrics_port=free_port()),
-        engine=EngineHostConfig(
-            bind_host="127.0.0.1", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
-        ),
+    config = stack_config(
+        state,
+        api_keys={"admin": API_KEY},
         # docs@1 in service; also the canary pool: the shape of an eval replica.
         pools=[
             PoolConfig(name="docs", model_ref="docs@1", replicas=1, engine="vllm-cpu",

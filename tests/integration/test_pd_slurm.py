@@ -37,9 +37,16 @@ from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.tinymodels import make_tiny_model
-from tests.integration.slurm_helpers import cluster_config, wait_for
+from tests.integration.slurm_helpers import cluster_config, running_cluster, wait_for
 
-pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSlurm]:
+    """The two-node cluster with a switch topology (topology/tree): both nodes under s1."""
+    yield from running_cluster(tmp_path_factory.mktemp("localslurm"), leaf_switch="s1")
+
 
 KEY = "sk-pd-test"
 BLOCK = 128  # vLLM's block size on CPU: the storage connector moves full blocks
@@ -126,7 +133,8 @@ class Serving:
 
     def pd_requests(self, outcome: str) -> float:
         value = self.metrics.get_sample_value(
-            "hpcserve_gateway_pd_requests_total", {"model": "tiny", "outcome": outcome}
+            "hpcserve_gateway_pd_requests_total",
+            {"model": "tiny", "outcome": outcome, "reason": ""},
         )
         return value or 0.0
 
@@ -150,12 +158,14 @@ def serving(
         yield serving, manager
 
 
+@pytest.mark.vllm
 def test_a_chat_request_is_prefilled_on_one_engine_and_decoded_on_the_other(
     serving: tuple[Serving, PoolManager], slurm: SlurmCLI
 ) -> None:
     s, _manager = serving
     prefill, decode = s.replica("prefill"), s.replica("decode")
     assert prefill.slurm_job_id != decode.slurm_job_id  # a job pair
+    assert prefill.switch == decode.switch == "s1"  # Slurm's topology, via the pool manager
     assert {prefill.pool, decode.pool} == {"tiny-prefill", "tiny-decode"}
     for replica in (prefill, decode):  # the connector rendered into the job, registered
         registered = s.router.registry.get(replica.replica_id)
@@ -228,3 +238,22 @@ def _answers(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_the_pool_manager_tells_the_router_the_switch_topology(
+    cluster: LocalSlurm, slurm: SlurmCLI, router: RouterServer, tmp_path: Path
+) -> None:
+    """`scontrol show topology` on the real cluster, parsed, through the pool manager's
+    ListReplicas to the router, which then knows each replica's leaf switch (the decode
+    replica's locality: router/policies/pd_roles.py). A simulated engine suffices."""
+    assert slurm.topology() == {"n1": "s1", "n2": "s1"}
+    pool = {"model_path": "/nonexistent", "engine": "sim", "served_model_name": "sim"}
+    manager = PoolManager(cluster_config(cluster, router, tmp_path, "topo", pool), slurm)
+
+    def registered() -> list[p.ReplicaInfo]:
+        manager.poll_once()
+        return list_replicas(router.config.routing_bind)
+
+    [replica] = wait_for("the replica to register", registered)
+    assert replica.node in ("n1", "n2") and replica.switch == "s1"
+    assert router.node_switches == {"n1": "s1", "n2": "s1"}

@@ -14,25 +14,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpcserve.config import (
-    ApiKey,
-    BatchConfig,
-    EngineHostConfig,
-    GatewayConfig,
-    PlatformConfig,
-    PoolConfig,
-    PoolMgrConfig,
-    RolloutConfig,
-    RouterConfig,
-    SlurmConfig,
-    dump_config,
-    hash_api_key,
-    with_default_curve_dir,
-)
+from hpcserve.config import PoolConfig, RolloutConfig, dump_config, with_default_curve_dir
 from hpcserve.modelcache.evaluations import Evaluation
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Registry
@@ -41,8 +28,7 @@ from hpcserve.poolmgr.rollout_state import RolloutBook
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import free_port_block, wait_for
-from tests.ports import free_port
-from tests.services import metrics_headers
+from tests.services import metrics_headers, stack_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -69,31 +55,9 @@ def test_a_rollout_to_a_vllm_version_completes_on_slurm(short_state_dir: Path) -
     state = short_state_dir
     state.mkdir()
     _registry(state)
-    config = PlatformConfig(
-        state_dir=str(state),
-        router=RouterConfig(
-            registry_bind=f"tcp://127.0.0.1:{free_port()}",
-            routing_bind=f"tcp://127.0.0.1:{free_port()}",
-            lease_s=6.0,
-            heartbeat_s=1.0,
-            metrics_port=free_port(),
-            alias_refresh_s=0.5,
-        ),
-        gateway=GatewayConfig(
-            port=free_port(), api_keys=[ApiKey(tenant="t", sha256=hash_api_key(API_KEY))]
-        ),
-        slurm=SlurmConfig(
-            partition="gpu",
-            time_limit_min=60,
-            drain_s=20,
-            conf=str(state / "slurm" / "slurm.conf"),
-            log_dir=str(state / "jobs"),
-        ),
-        poolmgr=PoolMgrConfig(poll_s=1.0, metrics_port=free_port()),
-        batch=BatchConfig(metrics_port=free_port()),
-        engine=EngineHostConfig(
-            bind_host="127.0.0.1", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
-        ),
+    config = stack_config(
+        state,
+        api_keys={"t": API_KEY},
         pools=[
             PoolConfig(name="docs-stable", model_ref="tiny@1", engine="sim"),
             PoolConfig(
@@ -104,6 +68,10 @@ def test_a_rollout_to_a_vllm_version_completes_on_slurm(short_state_dir: Path) -
                 env={"VLLM_CPU_KVCACHE_SPACE": "1"},
             ),
         ],
+    )
+    config = msgspec.structs.replace(
+        config,
+        router=msgspec.structs.replace(config.router, alias_refresh_s=0.5),
         rollout=RolloutConfig(check_s=0.5, min_answers=10),
     )
     config = with_default_curve_dir(config)

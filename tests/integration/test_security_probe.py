@@ -21,29 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 
-from hpcserve.config import (
-    ApiKey,
-    EngineHostConfig,
-    GatewayConfig,
-    PlatformConfig,
-    PoolConfig,
-    PoolMgrConfig,
-    RouterConfig,
-    SlurmConfig,
-    dump_config,
-    hash_api_key,
-    load_config,
-)
+from hpcserve.config import PlatformConfig, PoolConfig, dump_config, load_config
 from hpcserve.contracts.engine_token import auth_headers, read_token
 from hpcserve.contracts.private_files import write_private
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import free_port_block
-from tests.ports import free_port
+from tests.services import stack_config
 from tests.unprivileged import (
     listable_by_probe,
     probe_user,
@@ -66,31 +55,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
     state = tmp_path_factory.mktemp("security") / "state"
     state.mkdir()
     _register_model_and_adapter(state)
-    config = PlatformConfig(
-        state_dir=str(state),
-        router=RouterConfig(
-            registry_bind=f"tcp://127.0.0.1:{free_port()}",
-            routing_bind=f"tcp://127.0.0.1:{free_port()}",
-            lease_s=6.0,
-            heartbeat_s=1.0,
-            metrics_port=free_port(),
-            # No curve_dir: CURVE by default, keys made in <state>/curve (issue 18).
-        ),
-        gateway=GatewayConfig(
-            port=free_port(),
-            api_keys=[ApiKey(tenant=t, sha256=hash_api_key(k)) for t, k in KEYS.items()],
-        ),
-        slurm=SlurmConfig(
-            partition="gpu",
-            time_limit_min=60,
-            drain_s=20,
-            conf=str(state / "slurm" / "slurm.conf"),
-            log_dir=str(state / "jobs"),
-        ),
-        poolmgr=PoolMgrConfig(poll_s=1.0, metrics_port=free_port()),
-        engine=EngineHostConfig(
-            bind_host="0.0.0.0", advertise_host="127.0.0.1", cache_dir=str(state / "nodecache")
-        ),
+    # No curve_dir: CURVE by default, keys made in <state>/curve (issue 18).
+    config = stack_config(
+        state,
+        api_keys=KEYS,
         pools=[
             PoolConfig(
                 name=MODEL,
@@ -103,6 +71,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
             )
         ],
     )
+    # Engines listen on every address (engine.bind_host's default), not on loopback alone.
+    engine = msgspec.structs.replace(config.engine, bind_host="0.0.0.0")
+    config = msgspec.structs.replace(config, engine=engine)
     write_private(state / "hpcserve.toml", dump_config(config).encode())
     config = load_config(state / "hpcserve.toml")  # what the services read: <state>/curve
     up = Stack(state, slurm_port=free_port_block())

@@ -220,3 +220,67 @@ def test_a_fleet_registers_with_the_router_and_serves_a_workload_through_the_gat
         served = stack.engine_metrics()
         assert served["vllm:request_success_total"] == 41
         assert served["vllm:prefix_cache_hits_total"] > 0  # the shared system prompt
+
+
+def _counters(url: str) -> dict[str, float]:
+    """A replica's prompt counters, by source where labelled."""
+    with urllib.request.urlopen(url + "/metrics") as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(("vllm:prompt_tokens", "vllm:nixl_xfer_time_seconds_count")):
+            name, value = line.rsplit(" ", 1)
+            source = name.partition('source="')[2].partition('"')[0]
+            key = name.split("{", 1)[0] + (f":{source}" if source else "")
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def test_a_chat_request_is_prefilled_on_a_sim_prefill_replica_and_decoded_without_recompute(
+    chat_model: Path, tmp_path: Path
+) -> None:
+    """Issue 22 on the simulator: the real gateway runs its two steps against a sim prefill
+    and a sim decode replica (each with the connector the pool manager renders), and the
+    decode's counters show the prompt came over the (modelled) link, none of it computed."""
+    with sim_stack(pd=(1, 1), model_dir=chat_model, work_dir=tmp_path, time_scale=0.1) as stack:
+        listed = {r.role: r.url for r in list_replicas(stack.routing_endpoint)}
+        assert set(listed) == {"prefill", "decode"}
+        client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key=stack.api_key)
+        messages = [{"role": "user", "content": "bill of lading, port of loading " * 40}]
+        source = "vllm:prompt_tokens_by_source_total"
+        for stream in (False, True):
+            p_before, d_before = _counters(listed["prefill"]), _counters(listed["decode"])
+            if stream:
+                chunks = list(
+                    client.chat.completions.create(
+                        model=stack.model,
+                        messages=messages,
+                        max_tokens=6,
+                        stream=True,
+                        stream_options={"include_usage": True},
+                    )
+                )
+                usage = chunks[-1].usage
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            else:
+                reply = client.chat.completions.create(
+                    model=stack.model, messages=messages, max_tokens=6
+                )
+                usage, text = reply.usage, reply.choices[0].message.content or ""
+            assert usage is not None and usage.completion_tokens == 6 and text
+            prompt = usage.prompt_tokens
+            p_after, d_after = _counters(listed["prefill"]), _counters(listed["decode"])
+
+            def grew(after: dict[str, float], before: dict[str, float], key: str) -> float:
+                return after.get(key, 0.0) - before.get(key, 0.0)
+
+            # Prefilled there (computed, or found in its own prefix cache the second time)...
+            assert grew(p_after, p_before, "vllm:prompt_tokens_total") == prompt
+            # ...and moved: the decode computed none of it (vLLM recomputes the last token
+            # for its logits and counts it transferred, as the sim does).
+            assert grew(d_after, d_before, "vllm:prompt_tokens_total") == prompt
+            moved = grew(d_after, d_before, f"{source}:external_kv_transfer")
+            hit = grew(d_after, d_before, f"{source}:local_cache_hit")
+            assert moved + hit == prompt and moved > 0
+            assert grew(d_after, d_before, f"{source}:local_compute") == 0
+            assert grew(d_after, d_before, "vllm:nixl_xfer_time_seconds_count") == 1

@@ -178,7 +178,8 @@ def test_decide_sizes_by_the_modelled_capacity_unless_the_engines_queue_lower(
 def test_the_forecast_becomes_replicas_by_the_modelled_rate(
     capacity: int | None, rps: float | None, forecast: float, spares: int, need: int
 ) -> None:
-    cfg = AutoscaleConfig(max=8, target_in_flight=4, warm_spares=spares)
+    # No queueing margin: the rate's requests in flight alone (the margin: test_autoscale.py).
+    cfg = AutoscaleConfig(max=8, target_in_flight=4, warm_spares=spares, queueing_margin=0)
     sig = Signals(
         replicas=[ReplicaSignal(10, 10, 0, 0.1)], capacity=capacity, capacity_rps=rps,
         rate_rps=5.0, forecast_rps=forecast,

@@ -10,7 +10,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from hpcserve.health.engine_checks import Counters, GenerationProbe, TokenProgress, parse_counters
+from hpcserve.health.engine_checks import (
+    Counters,
+    GenerationProbe,
+    TokenProgress,
+    busy_not_broken,
+    parse_counters,
+)
 
 
 class Engine:
@@ -82,7 +88,7 @@ def test_probe_misses_its_deadline(engine: Engine) -> None:
     engine.answering.clear()
     result = GenerationProbe(engine.url, "m").run(0.5)
     assert not result.ok
-    assert result.detail == "no answer within 0.5s"
+    assert result.detail == "no answer within 0.5s" and result.timed_out
     assert engine.answered == 0, "it gave up before the answer came"
 
 
@@ -114,7 +120,7 @@ vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e9
 
 
 def test_counters_from_vllm_metrics() -> None:
-    assert parse_counters(METRICS) == Counters(tokens=160.0, running=3)
+    assert parse_counters(METRICS) == Counters(tokens=160.0, running=3, waiting=1)
     assert parse_counters("") == Counters(tokens=0.0, running=0)
     assert parse_counters("vllm:num_requests_running{} x\n") == Counters(0.0, 0)
 
@@ -137,3 +143,19 @@ def test_token_progress(readings: list[tuple[float, float, int]], expected: str)
     for now, tokens, running in readings:
         result = progress.update(Counters(tokens, running), now)
     assert result == expected
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "busy"),
+    [
+        (Counters(100, 4, 9), Counters(180, 4, 9), True),  # a queue, and tokens flow
+        (Counters(100, 4, 9), Counters(100, 4, 9), False),  # a queue, nothing moves: hung
+        (Counters(100, 4, 0), Counters(180, 4, 0), False),  # nothing waits: the probe should run
+        (None, Counters(180, 4, 9), False),  # no reading before the probe
+        (Counters(100, 4, 9), None, False),  # /metrics did not answer either
+    ],
+)
+def test_a_probe_that_timed_out_behind_a_moving_queue_is_busy_not_broken(
+    before: Counters | None, after: Counters | None, busy: bool
+) -> None:
+    assert busy_not_broken(before, after) is busy

@@ -160,6 +160,62 @@ def test_a_check_round_probes_the_engine(tmp_path: Path) -> None:
     assert "unreachable" in report.findings[0].detail
 
 
+class QueuedEngine:
+    """A stand-in engine whose generation requests wait behind a queue (they never answer),
+    and whose /metrics shows requests waiting and, when `moving`, tokens flowing."""
+
+    def __init__(self, *, moving: bool) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.tokens = 0
+        self.release = threading.Event()
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                engine.tokens += 50 if moving else 0
+                body = (
+                    "vllm:num_requests_running 4.0\nvllm:num_requests_waiting 9.0\n"
+                    f"vllm:generation_tokens_total {engine.tokens}.0\n"
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                engine.release.wait(30)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("moving", [True, False])
+def test_a_probe_stuck_behind_a_queue_of_a_working_engine_is_not_a_finding(moving: bool) -> None:
+    engine = QueuedEngine(moving=moving)
+    try:
+        monitor = HealthMonitor(
+            HealthConfig(probe_deadline_s=0.5), engine_url=engine.url, model="m"
+        )
+        report = monitor.check_round()
+    finally:
+        engine.close()
+    checks = [f.check for f in report.findings]
+    # Overloaded (tokens flow): stays in routing. Hung (nothing moves): leaves it.
+    assert checks == ([] if moving else ["engine_probe"])
+
+
 def test_giving_up_kills_vllm_and_its_stopped_children() -> None:
     import os
     import signal

@@ -32,10 +32,16 @@ class Engine:
     """An engine stub: answers chat completions (streamed when asked), or `status` with an
     error; records each request body."""
 
-    def __init__(self, status: int = 200, params: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, status: int = 200, params: dict[str, Any] | None = None, *, stall: bool = False
+    ) -> None:
         self.status = status
         self.params = params
         self.bodies: list[dict[str, Any]] = []
+        # stall: no answer until released (close() releases it)
+        self.released = threading.Event()
+        if not stall:
+            self.released.set()
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +51,7 @@ class Engine:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 engine.bodies.append(body)
+                engine.released.wait(120)
                 if engine.status != 200:
                     self._send(engine.status, b'{"error": {"message": "boom"}}', "json")
                 elif body.get("stream"):
@@ -91,16 +98,17 @@ class Engine:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.released.set()
         self.server.shutdown()
         self.server.server_close()
 
 
 @contextmanager
 def pd_model(
-    prefill: Engine, decode_urls: list[str]
+    prefill: Engine, decode_urls: list[str], **gateway: Any
 ) -> Iterator[tuple[openai.OpenAI, CollectorRegistry, RouterServer]]:
     """A router with the prefill replica and the decode replicas of model "m" registered by
-    real agents, and the gateway in front."""
+    real agents, and the gateway in front (`gateway`: more GatewayConfig settings)."""
     with running_router(loopback_router_config(lease_s=600.0)) as router:
         replicas = [p.Register("pf", "m", prefill.url, node="n1", role="prefill")]
         replicas += [
@@ -110,7 +118,7 @@ def pd_model(
         agents = [RegistryAgent(router.config.registry_bind, r) for r in replicas]
         metrics = CollectorRegistry()
         gateway = Gateway(
-            GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))]),
+            GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))], **gateway),
             routing_endpoint=router.config.routing_bind,
             configured_models={"m"},
             metrics_registry=metrics,
@@ -130,9 +138,17 @@ def pd_model(
                 agent.close()
 
 
-def outcome(metrics: CollectorRegistry, name: str) -> float:
-    labels = {"model": "m", "outcome": name}
-    return metrics.get_sample_value("hpcserve_gateway_pd_requests_total", labels) or 0.0
+def outcome(metrics: CollectorRegistry, name: str, reason: str | None = None) -> float:
+    """Requests of model "m" with this outcome (and reason, when given)."""
+    return sum(
+        sample.value
+        for family in metrics.collect()
+        for sample in family.samples
+        if sample.name == "hpcserve_gateway_pd_requests_total"
+        and sample.labels["model"] == "m"
+        and sample.labels["outcome"] == name
+        and reason in (None, sample.labels["reason"])
+    )
 
 
 MESSAGES = [{"role": "user", "content": "a long document"}]
@@ -176,7 +192,24 @@ def test_a_failed_prefill_leaves_the_prompt_to_the_decode_replica(engines):
     with pd_model(prefill, [decode.url]) as (client, metrics, _router):
         reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
         assert reply.choices[0].message.content == "ab"
-        assert outcome(metrics, "prefill_failed") == 1
+        assert outcome(metrics, "prefill_failed", "error") == 1
+    [sent] = decode.bodies
+    assert "kv_transfer_params" not in sent  # it computes the prompt itself
+
+
+def test_a_stalled_prefill_is_abandoned_at_its_own_timeout(engines):
+    """gateway.pd_prefill_timeout_s, not upstream_timeout_s (600 s here), bounds the prefill
+    step: a prefill replica that never answers leaves the prompt to the decode replica."""
+    prefill, decode = Engine(params=PARAMS, stall=True), Engine()
+    engines += [prefill, decode]
+    with pd_model(prefill, [decode.url], pd_prefill_timeout_s=0.5) as (client, metrics, router):
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
+        assert reply.choices[0].message.content == "ab"
+        assert outcome(metrics, "prefill_failed", "timeout") == 1
+        assert outcome(metrics, "transferred") == 0
+        replicas = {r.replica_id: r for r in router.registry}
+        assert replicas["pf"].in_flight == 0  # released when abandoned
+    assert len(prefill.bodies) == 1  # it got the prefill step, and never answered it
     [sent] = decode.bodies
     assert "kv_transfer_params" not in sent  # it computes the prompt itself
 
@@ -189,7 +222,7 @@ def test_an_unreachable_prefill_replica_is_no_failure_either(engines):
     with pd_model(gone, [decode.url]) as (client, metrics, _router):
         reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50)
         assert reply.choices[0].message.content == "ab"
-        assert outcome(metrics, "prefill_failed") == 1
+        assert outcome(metrics, "prefill_failed", "unreachable") == 1
 
 
 def test_a_decode_replica_failing_before_its_answer_is_retried_elsewhere(engines):

@@ -18,6 +18,7 @@ from hpcserve.config import ConfigError, parse_config
 from hpcserve.contracts import protocol as p
 from hpcserve.contracts.engine_args import (
     NIXL_CONNECTOR,
+    SIM_CONNECTOR,
     STORAGE_CONNECTOR,
     kv_connector,
     kv_connector_of,
@@ -113,7 +114,9 @@ def _config(args: list[str]) -> dict[str, Any]:
         ),
         ("interactive", "vllm", None),
         ("batch", "vllm-cpu", None),
-        ("prefill", "sim", None),  # the simulator models the transfer itself
+        # The simulator models the transfer itself (sim/transfer.py), under its own name.
+        ("prefill", "sim", {"kv_connector": SIM_CONNECTOR, "kv_role": "kv_producer"}),
+        ("decode", "sim", {"kv_connector": SIM_CONNECTOR, "kv_role": "kv_consumer"}),
     ],
 )
 def test_kv_transfer_args_by_role_and_engine(role, engine, expected):

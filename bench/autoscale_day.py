@@ -1,0 +1,947 @@
+"""A day of interactive traffic compressed in time, through the real gateway, router and
+pool manager, under four sizing policies side by side (issue 19).
+
+Four stacks run at once, each its own `hpcserve router`, `hpcserve gateway` and `hpcserve
+poolmgr` processes (local launcher: the rendered job scripts run as local processes, each
+replica an `hpcserve engine` agent with a simulated engine, `engine = "sim"`), and get the
+same requests at the same times:
+
+- static for the peak: `replicas` sized for the day's highest one-minute rate (the bursts);
+- static for the average: sized for the day's mean rate;
+- reactive (KEDA-like): a loop outside hpcserve that reads every engine's
+  `vllm:num_requests_running + vllm:num_requests_waiting` from its /metrics (the targets the
+  pool manager writes for Prometheus, `poolmgr.scrape_targets_file`) each KEDA polling
+  interval (30 s of the day) and sets the pool's size as Kubernetes' HPA does with an
+  AverageValue target (`target_per_replica` = 0.75 x max_num_seqs; desired = ceil(sum /
+  target) outside a 10% tolerance, up at most max(2x, +4) per 15 s, down only to the highest
+  recommendation of the last 300 s), through the override `hpcserve scale` writes
+  (poolmgr/state_files.write_override, the function the command calls: a CLI process per
+  change would add a second of real time, two minutes of the day, that KEDA does not have);
+- hpcserve: the pool's `[pools.autoscale]` (poolmgr/autoscale.py), its capacity from the
+  planner's roofline (`autoscale.capacity`), the forecast from its daily profile and the
+  measured cold start.
+
+The day: bench/autoscale_replay.py's profile (night floor, morning and afternoon humps,
+evening tail; peak/average ~3.8) with its two 10-minute 2x bursts (11:00, 16:30), Poisson
+arrivals at `--peak-rps` at the humps. Compressed `--speedup` times (120: a day in 12
+minutes): requests keep their real timing (the engines' TTFT and TPOT are real; a request
+arrives at the day's rate), while the day's profile, the cold starts and the autoscaler's
+time constants pass `--speedup` times faster: the pool manager's `poolmgr.rehearsal_speedup`
+(poolmgr/rehearsal_clock.py), the HPA loop's periods divided by it. Each request is a
+streamed chat completion (bench/workload.py's client: aiohttp, open loop), its prompt
+lognormal around `--prompt-tokens` up to 4,000 tokens, its output lognormal around
+`--output-tokens`; the simulated engines model `--sim-model` on `--sim-gpu` (the planner's
+roofline) with `--max-num-seqs` sequences each.
+
+Cold start, stated and seeded: Slurm's queue wait exponential with mean `--queue-wait-s`
+(`poolmgr.local_queue_wait_s`: the local launcher keeps the job PENDING), then staging +
+load uniform from `--load-lo-s` to `--load-hi-s` (the simulated engine's `--sim-load-s`,
+counted from its job's start), both in seconds of the day and divided by the speedup; the
+n-th job of every stack draws the same (seeded by `--seed` and its job number). The days
+before: each pool
+manager's state dir is seeded with the daily arrival profile learnt from a day of the same
+shape (another seed), and with 20 cold starts drawn from the same distribution, as the
+replay does; both are what a pool manager that ran yesterday would hold.
+
+Measured per policy: requests within the SLO (TTFT <= 0.8 s and TPOT <= 0.05 s, each
+request), TTFT and TPOT p95, failed requests, GPU-hours of the day (each replica from its
+job's start to its end, its queue wait not counted, x 1 GPU; sampled every 1 s from the
+jobs' processes), their ratio to static peak sizing, mean GPU utilisation (the engines'
+running requests as their heartbeats report them, over the max_num_seqs slots of the
+replicas holding GPUs, time-weighted), scaling changes, and the realised cold starts (the
+pool manager's own measurements). Results: bench/results/autoscale_day.json; `--plot`:
+arrivals, replicas holding GPUs and TTFT p95 per quarter hour of the day per policy.
+
+    .venv/bin/python bench/autoscale_day.py --plot docs/img/autoscale_day.png   # ~15 min
+    .venv/bin/python bench/autoscale_day.py --quick   # 09:30-11:30 of the day, ~3 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import msgspec  # noqa: E402
+
+from bench.autoscale_replay import BASE_EPOCH, DAY_S, rate  # noqa: E402
+from bench.results import load_average, write_results  # noqa: E402
+from bench.simfleet import tiny_model  # noqa: E402
+from bench.workload import RequestResult, RequestSpec, percentile, run_workload  # noqa: E402
+from hpcserve.config import (  # noqa: E402
+    PlatformConfig,
+    dump_config,
+    hash_api_key,
+    load_config,
+    parse_config,
+)
+
+API_KEY = "sk-autoscale-day"
+POOL = "chat"
+SLO_TTFT_S = 0.8
+SLO_TPOT_S = 0.05
+BUCKET_S = 900.0  # the plot's and the p95 series' step: a quarter hour of the day
+POLICIES = ("static-peak", "static-average", "reactive", "hpcserve")
+
+
+# -- the day, the cold starts, the reactive policy (pure) ------------------------------------
+
+
+def arrivals(
+    seed: int, peak_rps: float, start_s: float, end_s: float, speedup: float
+) -> list[float]:
+    """Real seconds from the run's start at which requests arrive: Poisson at the day's
+    rate (bench/autoscale_replay.rate, requests/s) at day time start_s + t x speedup, for
+    t up to (end_s - start_s) / speedup (thinning against the day's highest rate)."""
+    rng = random.Random(seed)
+    duration = (end_s - start_s) / speedup
+    top = max(rate(start_s + i * 60.0, peak_rps) for i in range(int((end_s - start_s) / 60) + 1))
+    out, t = [], 0.0
+    while True:
+        t += rng.expovariate(top)
+        if t >= duration:
+            return out
+        if rng.random() * top <= rate(start_s + t * speedup, peak_rps):
+            out.append(t)
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """The stated cold start, in seconds of the day: Slurm's queue wait exponential with
+    mean queue_mean_s, then staging + load uniform in [load_lo_s, load_hi_s]."""
+
+    queue_mean_s: float
+    load_lo_s: float
+    load_hi_s: float
+
+    def samples(self, seed: int, n: int) -> list[tuple[float, float]]:
+        """n (queue, load) draws, for the cold starts of the days before."""
+        rng = random.Random(seed)
+        return [
+            (rng.expovariate(1 / self.queue_mean_s), rng.uniform(self.load_lo_s, self.load_hi_s))
+            for _ in range(n)
+        ]
+
+
+class Hpa:
+    """Kubernetes' HPA on an AverageValue metric (what a KEDA ScaledObject on a Prometheus
+    query sets up), with its default behaviour, in seconds of the day: desired =
+    ceil(total / target) unless within `tolerance` of the current size; up at most
+    max(2 x current, current + 4) per `period_s`; down never below the highest
+    recommendation of the last `stabilise_s`; within lo..hi."""
+
+    def __init__(
+        self,
+        target: float,
+        lo: int,
+        hi: int,
+        start: int,
+        *,
+        period_s: float = 15.0,
+        stabilise_s: float = 300.0,
+        tolerance: float = 0.1,
+    ) -> None:
+        self.target, self.lo, self.hi = target, lo, hi
+        self.current = start
+        self.period_s, self.stabilise_s, self.tolerance = period_s, stabilise_s, tolerance
+        self._recommendations: deque[tuple[float, int]] = deque()
+        self._up_at = -math.inf
+
+    def step(self, now: float, total: float) -> int:
+        """The size after seeing `total` (the metric summed over the pool) at `now`."""
+        ratio = total / (self.target * self.current) if self.current else math.inf
+        want = self.current if abs(ratio - 1) <= self.tolerance else math.ceil(total / self.target)
+        want = min(max(want, self.lo), self.hi)
+        self._recommendations.append((now, want))
+        while self._recommendations[0][0] < now - self.stabilise_s:
+            self._recommendations.popleft()
+        if want > self.current:
+            if now - self._up_at < self.period_s:
+                return self.current
+            self.current = min(want, max(2 * self.current, self.current + 4))
+            self._up_at = now
+        else:
+            self.current = max(w for _, w in self._recommendations)
+        return self.current
+
+
+# -- measuring (pure) ---------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    t: float  # real seconds from the day's start
+    holding: int  # jobs holding GPUs (started, not ended)
+    serving: int  # replicas the router lists
+    running: int  # their engines' running requests (heartbeats)
+
+
+def p95(values: list[float]) -> float | None:
+    return percentile(values, 0.95) if values else None
+
+
+def summarize(
+    results: list[RequestResult],
+    samples: list[Sample],
+    *,
+    speedup: float,
+    slots: int,
+    day_start_s: float,
+    duration_s: float,
+    gpus_per_replica: int = 1,
+) -> dict[str, Any]:
+    """One policy's figures over the window's duration_s (real s from its start): SLO
+    attainment, latency p95s, failures (a client that gave up, TimeoutError, counted apart),
+    GPU-hours of the day (samples' holding x their interval x speedup), utilisation
+    (running / held slots, time-weighted), and per quarter hour of the day the arrivals, the
+    replicas holding GPUs (mean) and the TTFT p95 (None where nothing was served)."""
+    samples = [s for s in samples if 0 <= s.t <= duration_s]
+    ok = [r for r in results if r.ok]
+    tpots = [r.tpot_s for r in ok if r.tpot_s >= 0]
+    gave_up = [r for r in results if r.error.startswith("TimeoutError")]
+    good = [r for r in ok if r.ttft_s <= SLO_TTFT_S and 0 <= r.tpot_s <= SLO_TPOT_S]
+    held_s = busy_s = 0.0
+    for a, b in itertools.pairwise(samples):
+        dt = b.t - a.t
+        held_s += a.holding * dt
+        busy_s += a.running * dt
+    buckets: dict[int, dict[str, Any]] = {}
+
+    def bucket(t_real: float) -> dict[str, Any]:
+        k = int((day_start_s + t_real * speedup) // BUCKET_S)
+        return buckets.setdefault(k, {"arrivals": 0, "ttft": [], "holding": [], "serving": []})
+
+    for r in results:
+        b = bucket(r.at_s)
+        b["arrivals"] += 1
+        if r.ok:
+            b["ttft"].append(r.ttft_s)
+    for s in samples:
+        bucket(s.t)["holding"].append(s.holding)
+        bucket(s.t)["serving"].append(s.serving)
+    series = [
+        {
+            "hour": k * BUCKET_S / 3600,
+            "arrivals_rps": b["arrivals"] / (BUCKET_S / speedup),
+            "holding": statistics.fmean(b["holding"]) if b["holding"] else 0.0,
+            "serving": statistics.fmean(b["serving"]) if b["serving"] else 0.0,
+            "ttft_p95_s": p95(b["ttft"]),
+        }
+        for k, b in sorted(buckets.items())
+    ]
+    return {
+        "requests": len(results),
+        "failed": len(results) - len(ok) - len(gave_up),
+        "timed_out": len(gave_up),
+        "errors": dict(Counter(f"{r.status} {r.error[:80]}" for r in results if not r.ok)),
+        "slo_attainment": len(good) / len(results) if results else 0.0,
+        "ttft_p50_s": percentile([r.ttft_s for r in ok], 0.5) if ok else None,
+        "ttft_p95_s": p95([r.ttft_s for r in ok]),
+        "tpot_p50_s": percentile(tpots, 0.5) if tpots else None,
+        "tpot_p95_s": p95(tpots),
+        "gpu_hours": held_s * speedup * gpus_per_replica / 3600,
+        "utilisation": busy_s / (held_s * slots) if held_s else 0.0,
+        "series": series,
+    }
+
+
+# -- the stacks ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    policy: str
+    work: Path
+    config: PlatformConfig
+    config_file: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    samples: list[Sample] = field(default_factory=list)
+    changes: int = 0  # for the reactive loop: overrides written
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.gateway.port}"
+
+    @property
+    def jobs_dir(self) -> str:
+        return str(self.work / "state" / "jobs")
+
+    def log(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = self.log(name).read_text(errors="replace").splitlines()[-5:]
+                raise RuntimeError(f"{self.policy}: the {name} exited: " + " | ".join(tail))
+
+
+def free_ports(n: int) -> list[int]:
+    from tests.ports import free_ports as ports
+
+    return ports(n)
+
+
+def stack_config(
+    policy: str,
+    work: Path,
+    model_dir: Path,
+    args: argparse.Namespace,
+    sizes: dict[str, int],
+    real_start: float,
+) -> PlatformConfig:
+    registry, routing, gateway, metrics = free_ports(4)
+    k = args.speedup
+    engine_args = [
+        "--sim-gpu",
+        args.sim_gpu,
+        "--sim-model",
+        args.sim_model,
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--sim-load-s",
+        f"{args.load_lo_s / k:.3f},{args.load_hi_s / k:.3f}",
+        "--sim-load-seed",
+        str(args.seed),
+    ]
+    pool: dict[str, Any] = {
+        "name": POOL,
+        "model_path": str(model_dir),
+        "engine": "sim",
+        "replicas": sizes[policy],
+        "engine_args": engine_args,
+    }
+    if policy == "hpcserve":
+        pool["autoscale"] = {
+            "min": 1,
+            "max": args.max_replicas,
+            # The SLO windows hold requests, not time: the compressed day has 1/speedup of a
+            # day's requests, so they are 15 and 60 minutes of the day (7.5 s and 30 s of
+            # real traffic at 120x) to hold the 20 requests a p95 needs.
+            "slo_short_window_s": 900.0,
+            "slo_long_window_s": 3600.0,
+            "capacity": {
+                "model": args.sim_model,
+                "gpu": args.sim_gpu,
+                "prompt_tokens": args.prompt_tokens,
+                "output_tokens": args.output_tokens,
+                "max_num_seqs": args.max_num_seqs,
+            },
+        }
+    raw: dict[str, Any] = {
+        "state_dir": str(work / "state"),
+        "router": {
+            "registry_bind": f"tcp://127.0.0.1:{registry}",
+            "routing_bind": f"tcp://127.0.0.1:{routing}",
+            "metrics_port": 0,
+            # The engines' load reaches the pool manager on heartbeats: 1 s (two minutes of
+            # the day at 120x) rather than 2 s; the router's in-flight counts are immediate.
+            "heartbeat_s": 1.0,
+            "lease_s": 4.0,
+        },
+        "gateway": {
+            "port": gateway,
+            "api_keys": [{"tenant": "bench", "sha256": hash_api_key(API_KEY)}],
+        },
+        "poolmgr": {
+            "launcher": "local",
+            "poll_s": args.poll_s,
+            "metrics_port": metrics,
+            # Submissions as often as a poll (the default 2 s is 4 minutes of the day).
+            "min_submit_interval_s": args.poll_s / 2,
+            "scrape_targets_file": str(work / "state" / "targets.json"),
+            "local_queue_wait_s": args.queue_wait_s / k,
+            "local_queue_seed": args.seed,
+            "rehearsal_speedup": k,
+            "rehearsal_real_start": real_start,
+            "rehearsal_day_start": BASE_EPOCH + args.start_h * 3600,
+        },
+        "slurm": {"log_dir": str(work / "state" / "jobs"), "drain_s": 30},
+        "engine": {"bind_host": "127.0.0.1", "advertise_host": "127.0.0.1"},
+        "pools": [pool],
+    }
+    return parse_config(raw)
+
+
+def seed_state(state: Path, args: argparse.Namespace, cold: ColdStart) -> None:
+    """The days before: the daily arrival profile (poolmgr/forecast.py) learnt from a day
+    of the same shape (another seed, observed once a poll as the pool manager does) and 20
+    cold starts drawn from the stated distribution, in the compressed run's real seconds."""
+    from hpcserve.poolmgr.cold_start import KEEP, ColdStartSample
+    from hpcserve.poolmgr.forecast import Forecasts
+
+    state.mkdir(parents=True, exist_ok=True)
+    forecasts = Forecasts(state)  # writes <state>/arrival-profiles.json as quarter hours end
+    rng = random.Random(args.seed + 10_000)
+    step = args.poll_s * args.speedup
+    day_before = BASE_EPOCH - DAY_S
+    t = 0.0
+    while t <= DAY_S:
+        lam = rate(t, args.peak_rps) * step
+        forecasts.observe(POOL, _poisson(rng, lam), day_before + t)
+        t += step
+    k = args.speedup
+    history = [
+        ColdStartSample(0, round(q / k, 3), round(s / k, 3), day_before)
+        for q, s in cold.samples(args.seed + 20_000, KEEP)
+    ]
+    (state / "cold-starts.json").write_bytes(msgspec.json.encode({POOL: history}))
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    if lam > 50:  # normal approximation
+        return max(0, round(rng.gauss(lam, math.sqrt(lam))))
+    threshold, n, p = math.exp(-lam), 0, 1.0
+    while True:
+        p *= rng.random()
+        if p <= threshold:
+            return n
+        n += 1
+
+
+def spawn(stack: Stack, name: str) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The job scripts run `hpcserve` (this venv's console script).
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    out = stack.log(name).open("wb")
+    stack.procs[name] = subprocess.Popen(
+        [sys.executable, "-m", "hpcserve.cli", name, "--config", str(stack.config_file)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    out.close()
+
+
+def stop(stack: Stack) -> None:
+    """Pool manager first (it drains its local jobs), then gateway and router."""
+    for name in ("poolmgr", "gateway", "router"):
+        proc = stack.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            continue
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def serving(stack: Stack) -> list[Any]:
+    from hpcserve.contracts.router_client import list_replicas
+
+    return [
+        r
+        for r in list_replicas(
+            stack.config.router.routing_bind, 1.0, curve_dir=stack.config.router.curve_dir
+        )
+        if r.pool == POOL
+    ]
+
+
+def holding_jobs(stacks: list[Stack]) -> dict[str, int]:
+    """Per stack, its local jobs whose script runs (started: queue wait over, not ended)."""
+    counts = {s.policy: 0 for s in stacks}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) >= 2 and argv[0] == b"bash" and argv[1].endswith(b".sh"):
+            script = argv[1].decode(errors="replace")
+            for s in stacks:
+                if script.startswith(s.jobs_dir + "/"):
+                    counts[s.policy] += 1
+    return counts
+
+
+def sampler(stacks: list[Stack], t0: float, stop_event: threading.Event, every_s: float) -> None:
+    while not stop_event.wait(every_s):
+        held = holding_jobs(stacks)
+        now = time.time() - t0
+        for s in stacks:
+            try:
+                reps = serving(s)
+            except Exception:  # the router busy past 1 s: count what the jobs show
+                reps = []
+            running = sum(r.load.running for r in reps)
+            s.samples.append(Sample(now, held[s.policy], len(reps), running))
+
+
+_METRIC = re.compile(r"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+def engine_queue(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
+        text = resp.read().decode()
+    return sum(float(m.group(2)) for m in _METRIC.finditer(text))
+
+
+def reactive_loop(
+    stack: Stack, args: argparse.Namespace, t0: float, stop_event: threading.Event
+) -> None:
+    """KEDA + HPA outside hpcserve: scrape the engines the pool manager lists for
+    Prometheus, sum running + waiting, size the pool through `hpcserve scale`'s override."""
+    from hpcserve.poolmgr.state_files import write_override
+
+    k = args.speedup
+    target = 0.75 * args.max_num_seqs
+    hpa = Hpa(target, 1, args.max_replicas, stack.config.pools[0].replicas)
+    targets = Path(stack.config.poolmgr.scrape_targets_file)
+    state = Path(stack.config.state_dir)
+    while not stop_event.wait(30.0 / k):  # KEDA's default pollingInterval, 30 s of the day
+        try:
+            groups = json.loads(targets.read_text())
+        except (OSError, ValueError):
+            continue
+        total = 0.0
+        for group in groups:
+            for address in group.get("targets", []):
+                with contextlib.suppress(OSError):
+                    total += engine_queue(f"http://{address}")
+        before = hpa.current
+        after = hpa.step((time.time() - t0) * k, total)
+        if after != before:
+            write_override(state, POOL, after)
+            stack.changes += 1
+
+
+def realised_cold_starts(stack: Stack) -> list[dict[str, float]]:
+    """The pool manager's own measurements during the run (not the seeded history)."""
+    path = Path(stack.config.state_dir) / "cold-starts.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [s for s in data.get(POOL, []) if s.get("job_id")]
+
+
+def hpcserve_changes(stack: Stack) -> int:
+    text = stack.log("poolmgr").read_text(errors="replace")
+    return len(re.findall(r"pool chat: autoscale (?:up|down) ", text))
+
+
+@contextlib.contextmanager
+def stacks_running(
+    args: argparse.Namespace,
+    work: Path,
+    sizes: dict[str, int],
+    real_start: float,
+    cold: ColdStart,
+) -> Iterator[list[Stack]]:
+    model_dir = tiny_model(work)
+    stacks: list[Stack] = []
+    try:
+        for policy in args.policies:
+            sub = work / policy
+            (sub / "logs").mkdir(parents=True)
+            config = stack_config(policy, sub, model_dir, args, sizes, real_start)
+            config_file = sub / "hpcserve.toml"
+            config_file.write_text(dump_config(config))
+            stack = Stack(policy, sub, load_config(config_file), config_file)
+            seed_state(sub / "state", args, cold)
+            stacks.append(stack)
+            for name in ("router", "gateway", "poolmgr"):
+                spawn(stack, name)
+        yield stacks
+    finally:
+        threads = [threading.Thread(target=stop, args=(s,)) for s in stacks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def wait_ready(stacks: list[Stack], deadline: float) -> None:
+    """Until every stack's router lists its pool's starting size and its gateway answers."""
+    pending = list(stacks)
+    while pending:
+        if time.time() > deadline:
+            raise TimeoutError(
+                "not ready before the day starts: "
+                + ", ".join(f"{s.policy} ({len(_try(serving, s))} serving)" for s in pending)
+                + "; raise --startup-s"
+            )
+        for s in list(pending):
+            s.check()
+            if len(_try(serving, s)) >= s.config.pools[0].replicas and _gateway_up(s):
+                pending.remove(s)
+        time.sleep(0.5)
+
+
+def _try(fn: Callable[[Stack], list[Any]], s: Stack) -> list[Any]:
+    try:
+        return fn(s)
+    except Exception:
+        return []
+
+
+def _gateway_up(s: Stack) -> bool:
+    try:
+        with urllib.request.urlopen(s.base_url + "/health", timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+# -- the workload ---------------------------------------------------------------------------------
+
+
+def build_specs(args: argparse.Namespace, times: list[float], model_dir: Path) -> list[RequestSpec]:
+    """A streamed chat request per arrival: a prompt of lognormal length (median
+    --prompt-tokens, up to 4,000 tokens) of unique text (no prefix-cache hit between
+    requests), an output of lognormal length around --output-tokens."""
+    from bench.workload import Lengths, make_text
+    from hpcserve.sim.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+
+    def count(text: str) -> int:
+        return len(tokenizer.prompt_ids(text))
+
+    rng = random.Random(args.seed + 30_000)
+    base = make_text(4000, rng, count).split()
+    per_word = count(" ".join(base)) / len(base)
+    prompt = Lengths("lognormal", mean=args.prompt_tokens, low=32, high=4000, sigma=0.8)
+    output = Lengths(
+        "lognormal", mean=args.output_tokens, low=8, high=4 * args.output_tokens, sigma=0.5
+    )
+    specs = []
+    for i, at in enumerate(times):
+        words = max(1, int(prompt.draw(rng) / per_word))
+        start = rng.randrange(0, len(base) - words) if words < len(base) else 0
+        text = f"request {i} {rng.getrandbits(64):x}: " + " ".join(base[start : start + words])
+        specs.append(RequestSpec(at, [{"role": "user", "content": text}], output.draw(rng)))
+    return specs
+
+
+async def drive(
+    stacks: list[Stack], specs: list[RequestSpec], real_start: float, timeout_s: float
+) -> list[list[RequestResult]]:
+    """Every stack gets every request at its time; a client gives up on a request after
+    timeout_s (real s), so a policy that queues without end does not hold up the run."""
+    await asyncio.sleep(max(real_start - time.time(), 0))
+    runs = [
+        run_workload(
+            specs,
+            s.base_url,
+            model=POOL,
+            api_key=API_KEY,
+            timeout_s=timeout_s,
+            keepalive_timeout_s=2.0,
+        )
+        for s in stacks
+    ]
+    return list(await asyncio.gather(*runs))
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (load, reps, ttft) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    first = rows[0]["series"]
+    load.step(
+        [b["hour"] for b in first],
+        [b["arrivals_rps"] for b in first],
+        where="post",
+        color="black",
+        lw=0.9,
+    )
+    load.set_ylabel("arrivals (req/s)")
+    load.set_title(title, fontsize=9)
+    for row in rows:
+        series = row["series"]
+        hours = [b["hour"] for b in series]
+        reps.step(hours, [b["holding"] for b in series], where="post", label=row["policy"], lw=1)
+        ttft.step(
+            hours,
+            [max(b["ttft_p95_s"] or 0.0, 0.05) for b in series],
+            where="post",
+            label=row["policy"],
+            lw=0.9,
+        )
+    reps.set_ylabel("replicas holding GPUs\n(mean per quarter hour)")
+    reps.legend(fontsize=8)
+    ttft.axhline(SLO_TTFT_S, color="red", ls="--", lw=0.8)
+    ttft.set_yscale("log")
+    ttft.set_ylabel("TTFT p95 per quarter hour (s)")
+    ttft.set_xlabel("hour of the day")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+
+
+def sizes_for(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, float]]:
+    """Static sizes from the planner's capacity of one replica (the figure hpcserve's pool
+    gets): the highest one-minute rate of the day (bursts included) or its mean, at
+    --static-utilisation of that capacity."""
+    from hpcserve.poolmgr.autoscale_capacity import modelled
+
+    probe = parse_config(
+        {
+            "pools": [
+                {
+                    "name": POOL,
+                    "model_path": "/unused",
+                    "engine": "sim",
+                    "autoscale": {
+                        "max": args.max_replicas,
+                        "capacity": {
+                            "model": args.sim_model,
+                            "gpu": args.sim_gpu,
+                            "prompt_tokens": args.prompt_tokens,
+                            "output_tokens": args.output_tokens,
+                            "max_num_seqs": args.max_num_seqs,
+                        },
+                    },
+                }
+            ]
+        }
+    )
+    capacity = modelled(probe.pools[0])
+    per_replica = (capacity.requests_per_s or 1.0) * args.static_utilisation
+    day = [rate(m * 60.0, args.peak_rps) for m in range(1440)]
+    peak, mean = max(day), statistics.fmean(day)
+    sizes = {
+        "static-peak": math.ceil(peak / per_replica),
+        "static-average": max(1, math.ceil(mean / per_replica)),
+        "reactive": 1,
+        "hpcserve": 1,
+    }
+    return sizes, {
+        "max_rps": peak,
+        "mean_rps": mean,
+        "replica_rps": capacity.requests_per_s or 0.0,
+        "replica_in_flight": capacity.in_flight,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="09:30-11:30 only, 60 s to start (~3 min)")
+    ap.add_argument("--start-h", type=float, default=0.0, help="the day's window (hours)")
+    ap.add_argument("--end-h", type=float, default=24.0)
+    ap.add_argument("--speedup", type=float, default=120.0, help="day seconds per real second")
+    ap.add_argument("--peak-rps", type=float, default=2.5, help="requests/s at the humps")
+    ap.add_argument("--prompt-tokens", type=int, default=800, help="median prompt (up to 4k)")
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--sim-gpu", default="l40s")
+    ap.add_argument("--sim-model", default="llama-3.1-8b")
+    ap.add_argument("--max-num-seqs", type=int, default=2)
+    ap.add_argument("--max-replicas", type=int, default=12, help="autoscaled pools' max")
+    ap.add_argument(
+        "--static-utilisation",
+        type=float,
+        default=0.8,
+        help="static sizing: the share of a replica's modelled requests/s used",
+    )
+    ap.add_argument("--queue-wait-s", type=float, default=120.0, help="mean queue wait (day s)")
+    ap.add_argument("--load-lo-s", type=float, default=600.0, help="staging + load (day s)")
+    ap.add_argument("--load-hi-s", type=float, default=1200.0)
+    ap.add_argument("--poll-s", type=float, default=0.5, help="pool manager poll (real s)")
+    ap.add_argument(
+        "--startup-s",
+        type=float,
+        default=90.0,
+        help="real seconds allowed for the four stacks to start",
+    )
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--client-timeout-s",
+        type=float,
+        default=60.0,
+        help="a client gives up on a request after this (real s; 2 hours of the day at 120x)",
+    )
+    ap.add_argument("--seed", type=int, default=19)
+    ap.add_argument("--name", default="")
+    ap.add_argument("--plot", default="", help="PNG of load, replicas and TTFT p95")
+    ap.add_argument("--keep", default="", help="keep the stacks' work directory here")
+    args = ap.parse_args()
+    if args.quick:  # the morning hump and the 11:00 burst
+        args.start_h, args.end_h, args.startup_s = 9.5, 11.5, 60.0
+    args.policies = [p for p in args.policies.split(",") if p]
+    unknown = set(args.policies) - set(POLICIES)
+    if unknown:
+        ap.error(f"--policies: unknown {', '.join(sorted(unknown))}; known: {', '.join(POLICIES)}")
+    name = args.name or ("autoscale_day-quick" if args.quick else "autoscale_day")
+    load_before = load_average()
+    started = time.monotonic()
+    cold = ColdStart(args.queue_wait_s, args.load_lo_s, args.load_hi_s)
+    sizes, rates = sizes_for(args)
+    start_s, end_s = args.start_h * 3600, args.end_h * 3600
+    times = arrivals(args.seed, args.peak_rps, start_s, end_s, args.speedup)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoscale-day-"))
+    if args.keep and work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    specs = build_specs(args, times, tiny_model(work))
+    real_start = time.time() + args.startup_s
+    print(
+        f"{len(specs)} requests over {(end_s - start_s) / args.speedup:.0f} s; sizes {sizes}; "
+        f"the day starts in {args.startup_s:g} s",
+        file=sys.stderr,
+    )
+    stop_event = threading.Event()
+    threads: list[threading.Thread] = []
+    try:
+        with stacks_running(args, work, sizes, real_start, cold) as stacks:
+            wait_ready(stacks, real_start)
+            print(f"ready {real_start - time.time():.0f} s before the day starts", file=sys.stderr)
+            threads.append(
+                threading.Thread(
+                    target=sampler, args=(stacks, real_start, stop_event, 1.0), daemon=True
+                )
+            )
+            threads += [
+                threading.Thread(
+                    target=reactive_loop, args=(s, args, real_start, stop_event), daemon=True
+                )
+                for s in stacks
+                if s.policy == "reactive"
+            ]
+            for t in threads:
+                t.start()
+            results = asyncio.run(drive(stacks, specs, real_start, args.client_timeout_s))
+            stop_event.set()
+            for t in threads:
+                t.join(10)
+            for s in stacks:
+                s.check()
+            rows = []
+            for s, res in zip(stacks, results, strict=True):
+                row = {
+                    "policy": s.policy,
+                    "replicas_at_start": sizes[s.policy],
+                    **summarize(
+                        res,
+                        s.samples,
+                        speedup=args.speedup,
+                        slots=args.max_num_seqs,
+                        day_start_s=start_s,
+                        duration_s=(end_s - start_s) / args.speedup,
+                    ),
+                }
+                row["changes"] = (
+                    hpcserve_changes(s)
+                    if s.policy == "hpcserve"
+                    else s.changes
+                    if s.policy == "reactive"
+                    else 0
+                )
+                cold_starts = realised_cold_starts(s)
+                row["cold_starts"] = len(cold_starts)
+                if cold_starts:  # in seconds of the day
+                    k = args.speedup
+                    totals = sorted(c["queue_s"] + c["startup_s"] for c in cold_starts)
+                    row["cold_start_day_s"] = {
+                        "queue_median": round(
+                            statistics.median(c["queue_s"] for c in cold_starts) * k
+                        ),
+                        "load_median": round(
+                            statistics.median(c["startup_s"] for c in cold_starts) * k
+                        ),
+                        "total_median": round(statistics.median(totals) * k),
+                        "total_p90": round(totals[math.ceil(0.9 * len(totals)) - 1] * k),
+                    }
+                rows.append(row)
+    finally:
+        stop_event.set()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    peak_hours = next((r["gpu_hours"] for r in rows if r["policy"] == "static-peak"), None)
+    table = []
+    for row in rows:
+        ratio = row["gpu_hours"] / peak_hours if peak_hours else None
+        row["gpu_hours_vs_static_peak"] = ratio
+        table.append(
+            {
+                "policy": row["policy"],
+                "within SLO": f"{row['slo_attainment']:.2%}",
+                "TTFT p50 / p95 (s)": f"{_fmt(row['ttft_p50_s'])} / {_fmt(row['ttft_p95_s'])}",
+                "TPOT p50 / p95 (ms)": (
+                    f"{_fmt(row['tpot_p50_s'], 1000)} / {_fmt(row['tpot_p95_s'], 1000)}"
+                ),
+                "GPU-hours": round(row["gpu_hours"], 1),
+                "vs static peak": "-" if ratio is None else round(ratio, 2),
+                "GPU utilisation": f"{row['utilisation']:.0%}",
+                "scaling changes": row["changes"],
+                "failed": row["failed"],
+                "client gave up": row["timed_out"],
+            }
+        )
+    print("| " + " | ".join(table[0]) + " |")
+    print("|" + "---|" * len(table[0]))
+    for t in table:
+        print("| " + " | ".join(str(v) for v in t.values()) + " |")
+    if args.plot:
+        title = (
+            f"{len(specs)} requests, {args.start_h:g}:00-{args.end_h:g}:00 of the day at "
+            f"{args.speedup:g}x; {args.sim_model} on {args.sim_gpu}, "
+            f"max_num_seqs {args.max_num_seqs}"
+        )
+        plot(rows, Path(args.plot), title)
+    write_results(
+        name,
+        {"rows": table, "policies": rows},
+        {
+            "window_h": [args.start_h, args.end_h],
+            "speedup": args.speedup,
+            "requests": len(specs),
+            **{k: round(v, 3) for k, v in rates.items()},
+            "sizes": sizes,
+            "peak_rps": args.peak_rps,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "sim": f"{args.sim_model} on {args.sim_gpu}",
+            "max_num_seqs": args.max_num_seqs,
+            "max_replicas": args.max_replicas,
+            "cold_start_day_s": {
+                "queue_mean": args.queue_wait_s,
+                "load": [args.load_lo_s, args.load_hi_s],
+            },
+            "poll_s": args.poll_s,
+            "seed": args.seed,
+            "load_average_before": load_before,
+            "wall_s": round(time.monotonic() - started, 1),
+        },
+    )
+    return 0
+
+
+def _fmt(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.3g}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

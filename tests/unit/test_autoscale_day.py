@@ -1,0 +1,153 @@
+"""bench/autoscale_day.py's pure parts and the rehearsal knobs it runs on: the compressed
+day's arrivals, the HPA rules of the reactive policy, the per-policy figures, the local
+launcher's queue wait, the simulated engine's load time and the autoscaler's clock."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench.autoscale_day import ColdStart, Hpa, Sample, arrivals, summarize
+from bench.autoscale_replay import rate
+from bench.workload import RequestResult
+from hpcserve.config import ConfigError, parse_config
+from hpcserve.poolmgr.launchers import LocalLauncher, queue_wait
+from hpcserve.poolmgr.rehearsal_clock import RehearsalClock
+from hpcserve.sim.startup import LoadSpecError, draw_load_s, parse_load_s, process_start
+from hpcserve.slurm.parse import JobState
+
+
+def wait_for(what: str, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Polls until `condition` holds; a generous deadline, not a timed assertion."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_the_compressed_day_keeps_the_rate_and_shortens_the_time() -> None:
+    # 09:00-13:00 of the day at 120x: two minutes of real time, at the day's rate.
+    times = arrivals(7, 2.0, 9 * 3600, 13 * 3600, 120.0)
+    assert times == sorted(times) and times[0] >= 0 and times[-1] < 120
+    expected = sum(rate(9 * 3600 + t * 120, 2.0) for t in range(120))  # per real second
+    assert abs(len(times) - expected) < 4 * expected**0.5
+    assert times == arrivals(7, 2.0, 9 * 3600, 13 * 3600, 120.0)  # seeded
+
+
+def test_cold_start_draws_follow_the_stated_distribution() -> None:
+    draws = ColdStart(120.0, 480.0, 840.0).samples(1, 2000)
+    queue = [q for q, _ in draws]
+    assert abs(sum(queue) / len(queue) - 120) < 10
+    assert all(480 <= load <= 840 for _, load in draws)
+
+
+@pytest.mark.parametrize(
+    ("steps", "sizes"),
+    [
+        # (day s, running + waiting summed): target 1.5 per replica
+        ([(0, 1.5)], [1]),  # within the tolerance: no change
+        ([(0, 9.0)], [5]),  # ceil(9 / 1.5) = 6, but at most max(2x, +4) = 5 at once
+        ([(0, 9.0), (10, 9.0), (15, 9.0)], [5, 5, 6]),  # the next rise 15 s after
+        # down only to the highest recommendation of the last 300 s
+        ([(0, 6.0), (100, 1.5), (299, 1.5), (301, 1.5)], [4, 4, 4, 1]),
+    ],
+)
+def test_the_reactive_policy_is_the_hpa(steps: list[tuple[float, float]], sizes: list[int]) -> None:
+    hpa = Hpa(1.5, 1, 8, 1)
+    assert [hpa.step(t, total) for t, total in steps] == sizes
+
+
+def test_figures_per_policy() -> None:
+    def ok(at: float, ttft: float, tpot: float) -> RequestResult:
+        return RequestResult(at, "", status=200, ttft_s=ttft, tpot_s=tpot, e2e_s=1.0)
+
+    results = [
+        ok(0.1, 0.2, 0.02),
+        ok(0.2, 1.5, 0.02),
+        ok(0.3, 0.3, 0.09),
+        RequestResult(0.4, "", status=503, error="busy"),
+        RequestResult(0.5, "", error="TimeoutError: "),
+    ]
+    # Two replicas for 10 real s, one request running on average: at 120x, 40 min held.
+    samples = [Sample(float(t), 2, 2, 1) for t in range(-2, 14)]  # outside 0..10 s: left out
+    out = summarize(results, samples, speedup=120, slots=2, day_start_s=9 * 3600, duration_s=10.0)
+    assert (out["requests"], out["failed"], out["timed_out"]) == (5, 1, 1)
+    assert out["errors"] == {"503 busy": 1, "0 TimeoutError: ": 1}
+    assert out["slo_attainment"] == 0.2  # one of five within TTFT 0.8 s and TPOT 50 ms
+    assert out["gpu_hours"] == pytest.approx(2 * 10 * 120 / 3600)
+    assert out["utilisation"] == pytest.approx(0.25)  # 1 of 2 x 2 slots
+    first = out["series"][0]
+    assert first["hour"] == 9.0 and first["holding"] == 2 and first["ttft_p95_s"] > 1.0
+
+
+def test_the_local_launcher_holds_a_job_for_its_queue_wait(tmp_path: Path) -> None:
+    waits = [queue_wait(0.5, 3, job) for job in range(1, 200)]
+    assert waits == [queue_wait(0.5, 3, job) for job in range(1, 200)]  # seeded per job
+    assert 0.4 < sum(waits) / len(waits) < 0.6 and queue_wait(0.0, 3, 1) == 0.0
+    launcher = LocalLauncher(tmp_path, queue_wait_s=1000.0, queue_seed=3)
+    script = "#!/bin/bash\n#SBATCH --job-name=t-q\nexit 0\n"
+    held = launcher.submit(script)
+    (job,) = launcher.jobs().jobs
+    assert (job.state, job.state_reason, job.start_time) == (JobState.PENDING, "Priority", None)
+    launcher.cancel([held])  # cancelled in the queue: it never runs
+    assert [j.state for j in launcher.jobs().jobs] == [JobState.CANCELLED]
+    assert launcher.jobs().jobs == [] and not (tmp_path / "t-q-local1.out").exists()
+    launcher.queue_wait_s = 0.0
+    launcher.submit(script)  # no wait: runs at once, and completes
+    wait_for("the job to complete", lambda: launcher.jobs().jobs[0].state is JobState.COMPLETED)
+
+
+def test_a_cancelled_local_job_ends_cancelled_not_failed(tmp_path: Path) -> None:
+    launcher = LocalLauncher(tmp_path)
+    job_id = launcher.submit("#!/bin/bash\n#SBATCH --job-name=t-c\nsleep 60\n")
+    launcher.cancel([job_id])
+    seen: list[JobState] = []
+
+    def ended() -> bool:
+        seen.extend(j.state for j in launcher.jobs().jobs)
+        return seen[-1] is not JobState.RUNNING
+
+    wait_for("the job to end", ended)
+    # as scancel: no failure counted against the pool (poolmgr/failures.py)
+    assert seen[-1] is JobState.CANCELLED
+
+
+def test_the_local_queue_wait_is_for_the_local_launcher_only() -> None:
+    with pytest.raises(ConfigError, match=r"poolmgr\.local_queue_wait_s: .* needs"):
+        parse_config({"poolmgr": {"local_queue_wait_s": 1.0}})
+    parse_config({"poolmgr": {"launcher": "local", "local_queue_wait_s": 1.0}})
+
+
+def test_the_sim_load_time_is_drawn_per_job_and_counted_from_the_job_start() -> None:
+    assert parse_load_s("2") == (2.0, 2.0) and parse_load_s("1,3.5") == (1.0, 3.5)
+    for bad in ("", "a", "3,1", "-1", "1,2,3"):
+        with pytest.raises(LoadSpecError, match="--sim-load-s"):
+            parse_load_s(bad)
+    draws = [draw_load_s(1.0, 3.0, 19, str(job)) for job in range(1, 100)]
+    assert draws == [draw_load_s(1.0, 3.0, 19, str(job)) for job in range(1, 100)]
+    assert all(1.0 <= d <= 3.0 for d in draws) and len(set(draws)) == len(draws)
+    started = process_start(os.getpid())
+    assert started is not None and 0 <= time.time() - started < 3600
+
+
+def test_the_rehearsal_clock_compresses_the_day() -> None:
+    with pytest.raises(ConfigError, match=r"poolmgr\.rehearsal_real_start: "):
+        parse_config({"poolmgr": {"rehearsal_speedup": 120.0}})
+    config = parse_config(
+        {
+            "poolmgr": {
+                "rehearsal_speedup": 120.0,
+                "rehearsal_real_start": 1000.0,
+                "rehearsal_day_start": 5000.0,
+            }
+        }
+    )
+    clock = RehearsalClock.of(config.poolmgr)
+    assert clock.now(1000.0) == 5000.0 and clock.now(1030.0) == 5000.0 + 3600
+    assert clock.stretch(7.5) == 900.0
+    off = RehearsalClock.of(parse_config({}).poolmgr)
+    assert off.now(1234.5) == 1234.5 and off.stretch(3.0) == 3.0
