@@ -94,6 +94,7 @@ def test_a_rollout_to_a_vllm_version_completes_on_slurm(short_state_dir: Path) -
             except openai.APIError as err:
                 answered[f"failed: {type(err).__name__}"] += 1
 
+    new = {"model": ALIAS, "version": "tiny@2", "adapter": ""}  # the labels of tiny@2's series
     thread = threading.Thread(target=traffic, name="traffic", daemon=True)
     try:
         assert up.up(launcher="slurm", timeout_s=600) == 0, "hpcserve up failed (see output)"
@@ -119,9 +120,19 @@ def test_a_rollout_to_a_vllm_version_completes_on_slurm(short_state_dir: Path) -
         answered.clear()
         wait_for("30 answers after the rollout", lambda: sum(answered.values()) >= 30, 120)
         invalid = _ask_for_json(gateway)
-        metrics = httpx.get(
-            gateway + "/metrics", headers=metrics_headers(config_path), timeout=10
-        ).text
+
+        def scrape() -> str:
+            headers = metrics_headers(config_path)
+            return httpx.get(gateway + "/metrics", headers=headers, timeout=10).text
+
+        # A streamed answer is counted when its relay ends, which can be just after the
+        # client has read its last chunk.
+        wait_for(
+            "the six JSON answers counted",
+            lambda: _value(scrape(), "hpcserve_gateway_deployment_structured_total", new) >= 6,
+            30,
+        )
+        metrics = scrape()
     finally:
         done.set()
         if thread.ident is not None:
@@ -133,7 +144,6 @@ def test_a_rollout_to_a_vllm_version_completes_on_slurm(short_state_dir: Path) -
         assert f"hpcserve_gateway_deployment_answers_total{labels}" in metrics
     # JSON validity as the gateway saw vLLM's answers, whole and streamed, is what the
     # client finds parsing them.
-    new = {"model": ALIAS, "version": "tiny@2", "adapter": ""}
     assert _value(metrics, "hpcserve_gateway_deployment_structured_total", new) == 6
     assert _value(metrics, "hpcserve_gateway_deployment_structured_invalid_total", new) == invalid
     log = (state / "logs" / "poolmgr.log").read_text()
