@@ -23,7 +23,7 @@ same requests at the same times:
 
 The day: bench/autoscale_replay.py's profile (night floor, morning and afternoon humps,
 evening tail; peak/average ~3.8) with its two 10-minute 2x bursts (11:00, 16:30), Poisson
-arrivals at `--peak-rps` at the humps. Compressed `--speedup` times (120: a day in 12
+arrivals at `--peak-rps` at the humps. Compressed `--speedup` times (60: a day in 24
 minutes): requests keep their real timing (the engines' TTFT and TPOT are real; a request
 arrives at the day's rate), while the day's profile, the cold starts and the autoscaler's
 time constants pass `--speedup` times faster: the pool manager's `poolmgr.rehearsal_speedup`
@@ -31,7 +31,14 @@ time constants pass `--speedup` times faster: the pool manager's `poolmgr.rehear
 streamed chat completion (bench/workload.py's client: aiohttp, open loop), its prompt
 lognormal around `--prompt-tokens` up to 4,000 tokens, its output lognormal around
 `--output-tokens`; the simulated engines model `--sim-model` on `--sim-gpu` (the planner's
-roofline) with `--max-num-seqs` sequences each.
+roofline) with `--max-num-seqs` sequences each, streaming as vLLM's `--stream-interval`
+(the first token at once, then every N: fewer events for the CPU of this host to carry,
+the same TTFT and TPOT). One replica sustains 0.683 req/s by the planner; the defaults
+make the day's mean load (0.68 req/s) one replica's worth, static sizing for the peak 8
+replicas and the autoscaled pools' max (`--max-replicas`) 1.5 times that, 12. `--peak-rps
+5` doubles it to the replay's ratio (5.4 req/s over 2.7 per replica: two replicas' worth;
+16 for the peak, max 24): more replicas than this 2-core host runs for four stacks at the
+day's humps (docs/benchmarks.md).
 
 Cold start, stated and seeded: Slurm's queue wait exponential with mean `--queue-wait-s`
 (`poolmgr.local_queue_wait_s`: the local launcher keeps the job PENDING), then staging +
@@ -52,8 +59,9 @@ replicas holding GPUs, time-weighted), scaling changes, and the realised cold st
 pool manager's own measurements). Results: bench/results/autoscale_day.json; `--plot`:
 arrivals, replicas holding GPUs and TTFT p95 per quarter hour of the day per policy.
 
-    .venv/bin/python bench/autoscale_day.py --plot docs/img/autoscale_day.png   # ~15 min
-    .venv/bin/python bench/autoscale_day.py --quick   # 09:30-11:30 of the day, ~3 min
+    .venv/bin/python bench/autoscale_day.py --plot docs/img/autoscale_day.png   # ~27 min
+    .venv/bin/python bench/autoscale_day.py --quick   # 09:30-11:30 of the day, ~5 min
+    .venv/bin/python bench/autoscale_day.py --seed 20   # another day: autoscale_day-seed20
 """
 
 from __future__ import annotations
@@ -87,7 +95,13 @@ sys.path.insert(0, str(ROOT))
 
 import msgspec  # noqa: E402
 
-from bench.autoscale_replay import BASE_EPOCH, DAY_S, rate  # noqa: E402
+from bench.autoscale_replay import (  # noqa: E402
+    BASE_EPOCH,
+    DAY_S,
+    gpu_figures,
+    print_table,
+    rate,
+)
 from bench.results import load_average, write_results  # noqa: E402
 from bench.simfleet import tiny_model  # noqa: E402
 from bench.workload import RequestResult, RequestSpec, percentile, run_workload  # noqa: E402
@@ -215,9 +229,11 @@ def summarize(
 ) -> dict[str, Any]:
     """One policy's figures over the window's duration_s (real s from its start): SLO
     attainment, latency p95s, failures (a client that gave up, TimeoutError, counted apart),
-    GPU-hours of the day (samples' holding x their interval x speedup), utilisation
-    (running / held slots, time-weighted), and per quarter hour of the day the arrivals, the
-    replicas holding GPUs (mean) and the TTFT p95 (None where nothing was served)."""
+    GPU-hours of the day and utilisation as the replay counts them
+    (bench/autoscale_replay.gpu_figures: the samples' replicas holding GPUs and their
+    running requests, x their interval x speedup), and per quarter hour of the day the
+    arrivals, the replicas holding GPUs (mean) and the TTFT p95 (None where nothing was
+    served)."""
     samples = [s for s in samples if 0 <= s.t <= duration_s]
     ok = [r for r in results if r.ok]
     tpots = [r.tpot_s for r in ok if r.tpot_s >= 0]
@@ -252,6 +268,7 @@ def summarize(
         }
         for k, b in sorted(buckets.items())
     ]
+    figures = gpu_figures(held_s * speedup, busy_s * speedup, slots, gpus_per_replica)
     return {
         "requests": len(results),
         "failed": len(results) - len(ok) - len(gave_up),
@@ -262,8 +279,7 @@ def summarize(
         "ttft_p95_s": p95([r.ttft_s for r in ok]),
         "tpot_p50_s": percentile(tpots, 0.5) if tpots else None,
         "tpot_p95_s": p95(tpots),
-        "gpu_hours": held_s * speedup * gpus_per_replica / 3600,
-        "utilisation": busy_s / (held_s * slots) if held_s else 0.0,
+        **figures,
         "series": series,
     }
 
@@ -326,6 +342,8 @@ def stack_config(
         f"{args.load_lo_s / k:.3f},{args.load_hi_s / k:.3f}",
         "--sim-load-seed",
         str(args.seed),
+        "--stream-interval",
+        str(args.stream_interval),
     ]
     pool: dict[str, Any] = {
         "name": POOL,
@@ -339,17 +357,11 @@ def stack_config(
             "min": 1,
             "max": args.max_replicas,
             # The SLO windows hold requests, not time: the compressed day has 1/speedup of a
-            # day's requests, so they are 15 and 60 minutes of the day (7.5 s and 30 s of
-            # real traffic at 120x) to hold the 20 requests a p95 needs.
+            # day's requests, so they are 15 and 60 minutes of the day (15 s and 60 s of
+            # real traffic at 60x) to hold the 20 requests a p95 needs.
             "slo_short_window_s": 900.0,
             "slo_long_window_s": 3600.0,
-            "capacity": {
-                "model": args.sim_model,
-                "gpu": args.sim_gpu,
-                "prompt_tokens": args.prompt_tokens,
-                "output_tokens": args.output_tokens,
-                "max_num_seqs": args.max_num_seqs,
-            },
+            "capacity": capacity_config(args),
         }
     raw: dict[str, Any] = {
         "state_dir": str(work / "state"),
@@ -357,10 +369,11 @@ def stack_config(
             "registry_bind": f"tcp://127.0.0.1:{registry}",
             "routing_bind": f"tcp://127.0.0.1:{routing}",
             "metrics_port": 0,
-            # The engines' load reaches the pool manager on heartbeats: 1 s (two minutes of
-            # the day at 120x) rather than 2 s; the router's in-flight counts are immediate.
-            "heartbeat_s": 1.0,
-            "lease_s": 4.0,
+            # The engines' load reaches the pool manager on heartbeats: every two minutes of
+            # the day (2 s at 60x; every heartbeat scrapes the engine's /metrics, the cost of
+            # an idle replica); the router's in-flight counts are immediate.
+            "heartbeat_s": 120.0 / k,
+            "lease_s": 480.0 / k,
         },
         "gateway": {
             "port": gateway,
@@ -384,6 +397,18 @@ def stack_config(
         "pools": [pool],
     }
     return parse_config(raw)
+
+
+def capacity_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The pool's `autoscale.capacity`: the workload on the simulated model and GPU, as the
+    planner sizes a replica (static sizing and hpcserve's pool use the same figure)."""
+    return {
+        "model": args.sim_model,
+        "gpu": args.sim_gpu,
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "max_num_seqs": args.max_num_seqs,
+    }
 
 
 def seed_state(state: Path, args: argparse.Namespace, cold: ColdStart) -> None:
@@ -715,16 +740,7 @@ def sizes_for(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, float
                     "name": POOL,
                     "model_path": "/unused",
                     "engine": "sim",
-                    "autoscale": {
-                        "max": args.max_replicas,
-                        "capacity": {
-                            "model": args.sim_model,
-                            "gpu": args.sim_gpu,
-                            "prompt_tokens": args.prompt_tokens,
-                            "output_tokens": args.output_tokens,
-                            "max_num_seqs": args.max_num_seqs,
-                        },
-                    },
+                    "autoscale": {"max": 1, "capacity": capacity_config(args)},
                 }
             ]
         }
@@ -747,19 +763,101 @@ def sizes_for(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, float
     }
 
 
+def policy_row(
+    stack: Stack,
+    results: list[RequestResult],
+    args: argparse.Namespace,
+    start_size: int,
+    start_s: float,
+    end_s: float,
+) -> dict[str, Any]:
+    """One policy's figures (summarize), its scaling changes and its realised cold starts."""
+    k = args.speedup
+    row = {
+        "policy": stack.policy,
+        "replicas_at_start": start_size,
+        **summarize(
+            results,
+            stack.samples,
+            speedup=k,
+            slots=args.max_num_seqs,
+            day_start_s=start_s,
+            duration_s=(end_s - start_s) / k,
+        ),
+    }
+    changes: dict[str, Callable[[Stack], int]] = {
+        "hpcserve": hpcserve_changes,
+        "reactive": lambda s: s.changes,
+    }
+    row["changes"] = changes.get(stack.policy, lambda s: 0)(stack)
+    row.update(cold_start_figures(realised_cold_starts(stack), k))
+    return row
+
+
+def cold_start_figures(cold_starts: list[dict[str, float]], speedup: float) -> dict[str, Any]:
+    """How many cold starts, and their medians and p90 in seconds of the day."""
+    out: dict[str, Any] = {"cold_starts": len(cold_starts)}
+    if cold_starts:
+        totals = sorted(c["queue_s"] + c["startup_s"] for c in cold_starts)
+        out["cold_start_day_s"] = {
+            "queue_median": round(statistics.median(c["queue_s"] for c in cold_starts) * speedup),
+            "load_median": round(statistics.median(c["startup_s"] for c in cold_starts) * speedup),
+            "total_median": round(statistics.median(totals) * speedup),
+            "total_p90": round(totals[math.ceil(0.9 * len(totals)) - 1] * speedup),
+        }
+    return out
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The Markdown table's rows; sets each row's gpu_hours_vs_static_peak."""
+    peak_hours = next((r["gpu_hours"] for r in rows if r["policy"] == "static-peak"), None)
+    table = []
+    for row in rows:
+        ratio = row["gpu_hours"] / peak_hours if peak_hours else None
+        row["gpu_hours_vs_static_peak"] = ratio
+        table.append(
+            {
+                "policy": row["policy"],
+                "within SLO": f"{row['slo_attainment']:.2%}",
+                "TTFT p50 / p95 (s)": f"{_fmt(row['ttft_p50_s'])} / {_fmt(row['ttft_p95_s'])}",
+                "TPOT p50 / p95 (ms)": (
+                    f"{_fmt(row['tpot_p50_s'], 1000)} / {_fmt(row['tpot_p95_s'], 1000)}"
+                ),
+                "GPU-hours": round(row["gpu_hours"], 1),
+                "vs static peak": "-" if ratio is None else round(ratio, 2),
+                "GPU utilisation": f"{row['utilisation']:.0%}",
+                "scaling changes": row["changes"],
+                "failed": row["failed"],
+                "client gave up": row["timed_out"],
+            }
+        )
+    return table
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="09:30-11:30 only, 60 s to start (~3 min)")
+    ap.add_argument("--quick", action="store_true", help="09:30-11:30 only, 60 s to start (~5 min)")
     ap.add_argument("--start-h", type=float, default=0.0, help="the day's window (hours)")
     ap.add_argument("--end-h", type=float, default=24.0)
-    ap.add_argument("--speedup", type=float, default=120.0, help="day seconds per real second")
+    ap.add_argument("--speedup", type=float, default=60.0, help="day seconds per real second")
     ap.add_argument("--peak-rps", type=float, default=2.5, help="requests/s at the humps")
     ap.add_argument("--prompt-tokens", type=int, default=800, help="median prompt (up to 4k)")
-    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=250, help="mean output (lognormal)")
     ap.add_argument("--sim-gpu", default="l40s")
     ap.add_argument("--sim-model", default="llama-3.1-8b")
-    ap.add_argument("--max-num-seqs", type=int, default=2)
-    ap.add_argument("--max-replicas", type=int, default=12, help="autoscaled pools' max")
+    ap.add_argument("--max-num-seqs", type=int, default=4)
+    ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=10,
+        help="vLLM's --stream-interval: the first token at once, then every N tokens",
+    )
+    ap.add_argument(
+        "--max-replicas",
+        type=int,
+        default=0,
+        help="autoscaled pools' max (default: 1.5 x the static peak size)",
+    )
     ap.add_argument(
         "--static-utilisation",
         type=float,
@@ -769,7 +867,9 @@ def main() -> int:
     ap.add_argument("--queue-wait-s", type=float, default=120.0, help="mean queue wait (day s)")
     ap.add_argument("--load-lo-s", type=float, default=600.0, help="staging + load (day s)")
     ap.add_argument("--load-hi-s", type=float, default=1200.0)
-    ap.add_argument("--poll-s", type=float, default=0.5, help="pool manager poll (real s)")
+    ap.add_argument(
+        "--poll-s", type=float, default=0.0, help="pool manager poll (real s; a minute of the day)"
+    )
     ap.add_argument(
         "--startup-s",
         type=float,
@@ -781,7 +881,7 @@ def main() -> int:
         "--client-timeout-s",
         type=float,
         default=60.0,
-        help="a client gives up on a request after this (real s; 2 hours of the day at 120x)",
+        help="a client gives up on a request after this (real s; an hour of the day at 60x)",
     )
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--name", default="")
@@ -790,15 +890,20 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:  # the morning hump and the 11:00 burst
         args.start_h, args.end_h, args.startup_s = 9.5, 11.5, 60.0
+    args.poll_s = args.poll_s or 60.0 / args.speedup
     args.policies = [p for p in args.policies.split(",") if p]
     unknown = set(args.policies) - set(POLICIES)
     if unknown:
         ap.error(f"--policies: unknown {', '.join(sorted(unknown))}; known: {', '.join(POLICIES)}")
-    name = args.name or ("autoscale_day-quick" if args.quick else "autoscale_day")
+    name = args.name or "autoscale_day" + ("-quick" if args.quick else "") + (
+        f"-seed{args.seed}" if args.seed != 19 else ""
+    )
     load_before = load_average()
     started = time.monotonic()
     cold = ColdStart(args.queue_wait_s, args.load_lo_s, args.load_hi_s)
     sizes, rates = sizes_for(args)
+    if not args.max_replicas:  # room above peak sizing for a backlog, within this host's memory
+        args.max_replicas = math.ceil(1.5 * sizes["static-peak"])
     start_s, end_s = args.start_h * 3600, args.end_h * 3600
     times = arrivals(args.seed, args.peak_rps, start_s, end_s, args.speedup)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoscale-day-"))
@@ -808,7 +913,9 @@ def main() -> int:
     specs = build_specs(args, times, tiny_model(work))
     real_start = time.time() + args.startup_s
     print(
-        f"{len(specs)} requests over {(end_s - start_s) / args.speedup:.0f} s; sizes {sizes}; "
+        f"{len(specs)} requests over {(end_s - start_s) / args.speedup:.0f} s; sizes {sizes}, "
+        f"max {args.max_replicas}; one replica {rates['replica_rps']:.3g} req/s, the day's mean "
+        f"{rates['mean_rps'] / rates['replica_rps']:.2f} replicas' worth; "
         f"the day starts in {args.startup_s:g} s",
         file=sys.stderr,
     )
@@ -838,72 +945,16 @@ def main() -> int:
                 t.join(10)
             for s in stacks:
                 s.check()
-            rows = []
-            for s, res in zip(stacks, results, strict=True):
-                row = {
-                    "policy": s.policy,
-                    "replicas_at_start": sizes[s.policy],
-                    **summarize(
-                        res,
-                        s.samples,
-                        speedup=args.speedup,
-                        slots=args.max_num_seqs,
-                        day_start_s=start_s,
-                        duration_s=(end_s - start_s) / args.speedup,
-                    ),
-                }
-                row["changes"] = (
-                    hpcserve_changes(s)
-                    if s.policy == "hpcserve"
-                    else s.changes
-                    if s.policy == "reactive"
-                    else 0
-                )
-                cold_starts = realised_cold_starts(s)
-                row["cold_starts"] = len(cold_starts)
-                if cold_starts:  # in seconds of the day
-                    k = args.speedup
-                    totals = sorted(c["queue_s"] + c["startup_s"] for c in cold_starts)
-                    row["cold_start_day_s"] = {
-                        "queue_median": round(
-                            statistics.median(c["queue_s"] for c in cold_starts) * k
-                        ),
-                        "load_median": round(
-                            statistics.median(c["startup_s"] for c in cold_starts) * k
-                        ),
-                        "total_median": round(statistics.median(totals) * k),
-                        "total_p90": round(totals[math.ceil(0.9 * len(totals)) - 1] * k),
-                    }
-                rows.append(row)
+            rows = [
+                policy_row(s, res, args, sizes[s.policy], start_s, end_s)
+                for s, res in zip(stacks, results, strict=True)
+            ]
     finally:
         stop_event.set()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    peak_hours = next((r["gpu_hours"] for r in rows if r["policy"] == "static-peak"), None)
-    table = []
-    for row in rows:
-        ratio = row["gpu_hours"] / peak_hours if peak_hours else None
-        row["gpu_hours_vs_static_peak"] = ratio
-        table.append(
-            {
-                "policy": row["policy"],
-                "within SLO": f"{row['slo_attainment']:.2%}",
-                "TTFT p50 / p95 (s)": f"{_fmt(row['ttft_p50_s'])} / {_fmt(row['ttft_p95_s'])}",
-                "TPOT p50 / p95 (ms)": (
-                    f"{_fmt(row['tpot_p50_s'], 1000)} / {_fmt(row['tpot_p95_s'], 1000)}"
-                ),
-                "GPU-hours": round(row["gpu_hours"], 1),
-                "vs static peak": "-" if ratio is None else round(ratio, 2),
-                "GPU utilisation": f"{row['utilisation']:.0%}",
-                "scaling changes": row["changes"],
-                "failed": row["failed"],
-                "client gave up": row["timed_out"],
-            }
-        )
-    print("| " + " | ".join(table[0]) + " |")
-    print("|" + "---|" * len(table[0]))
-    for t in table:
-        print("| " + " | ".join(str(v) for v in t.values()) + " |")
+    table = table_rows(rows)
+    print_table(table)
     if args.plot:
         title = (
             f"{len(specs)} requests, {args.start_h:g}:00-{args.end_h:g}:00 of the day at "
@@ -925,6 +976,7 @@ def main() -> int:
             "output_tokens": args.output_tokens,
             "sim": f"{args.sim_model} on {args.sim_gpu}",
             "max_num_seqs": args.max_num_seqs,
+            "stream_interval": args.stream_interval,
             "max_replicas": args.max_replicas,
             "cold_start_day_s": {
                 "queue_mean": args.queue_wait_s,

@@ -225,6 +225,29 @@ def resize(world: World, target: int, now: float, cold: Callable[[], tuple[float
             r.drained_at = now + (world.service_s if r.ready_at <= now else 0.0)
 
 
+def gpu_figures(
+    held_replica_s: float, busy_slot_s: float, slots: int, gpus_per_replica: int = 1
+) -> dict[str, float]:
+    """GPU-hours and mean GPU utilisation, the same for the replay and the compressed day
+    (bench/autoscale_day.py): `held_replica_s`, replica-seconds holding GPUs (from the end of
+    a replica's Slurm queue wait to the end of its drain, its load counted as held and
+    serving nothing); `busy_slot_s`, the sequence slots running a request, integrated over
+    time (seconds of the day both); utilisation is busy slots over the held replicas'
+    `slots` (max_num_seqs) each."""
+    return {
+        "gpu_hours": held_replica_s * gpus_per_replica / 3600,
+        "utilisation": busy_slot_s / (held_replica_s * slots) if held_replica_s else 0.0,
+    }
+
+
+def print_table(table: list[dict[str, Any]]) -> None:
+    """Rows of the same keys as a Markdown table on stdout (the keys are the header)."""
+    print("| " + " | ".join(table[0]) + " |")
+    print("|" + "---|" * len(table[0]))
+    for row in table:
+        print("| " + " | ".join(str(v) for v in row.values()) + " |")
+
+
 def summary(world: World, args: argparse.Namespace) -> dict[str, Any]:
     total = sum(world.ttft_hist.values()) + world.queued
     good = sum(n for w, n in world.ttft_hist.items() if w + args.prefill_s <= SLO_TTFT_S)
@@ -236,11 +259,12 @@ def summary(world: World, args: argparse.Namespace) -> dict[str, Any]:
         if seen >= 0.95 * total:
             p95 = w + args.prefill_s
             break
+    figures = gpu_figures(world.gpu_s, world.busy_slot_s, world.slots)
     return {
-        "gpu_hours": world.gpu_s / 3600,
+        "gpu_hours": figures["gpu_hours"],
         "slo_attainment": good / total if total else 1.0,
         "ttft_p95_s": p95,
-        "utilisation": world.busy_slot_s / (world.gpu_s * world.slots) if world.gpu_s else 0.0,
+        "utilisation": figures["utilisation"],
         "changes": world.changes,
         "requests": total,
     }
@@ -543,10 +567,7 @@ def main() -> int:
             "GPU utilisation": f"{row['utilisation']:.0%}",
             "scaling changes": row["changes"],
         })  # fmt: skip
-    print("| " + " | ".join(table[0]) + " |")
-    print("|" + "---|" * len(table[0]))
-    for t in table:
-        print("| " + " | ".join(str(v) for v in t.values()) + " |")
+    print_table(table)
     raw = [{k: v for k, v in r.items() if k != "series"} for run in runs for r in run[0]]
     write_results(
         args.name,

@@ -30,15 +30,18 @@ The upstream answers with fixed bytes, so the proxy is what is measured: nginx b
 (`return 200` with a fixed completion, or, for a request marked `X-Request-Id: bench-stream`,
 the 16-event SSE body vLLM streams for the gateway's request: the usage so far on every
 event, then the usage event and [DONE]); `--upstream python` uses a fixed-response ASGI app
-instead (when nginx is not installed). Each gateway is pinned to core 0; wrk, the upstream
-and the router share core 1. Per target: p50/p99 at concurrency 1 and N, requests/s (the
-gateway has one core, so this is per core) and the gateway's CPU time per request (from
-/proc, less sensitive to the machine's other load than req/s). The machine's load average
-before and after is printed with the table.
+instead (when nginx is not installed). Each proxy is pinned to core 0 with the router
+(`--router-core`): the gateway and its router are the proxy, as a Rust router is one
+process doing both; wrk and the upstream share core 1. Per target: p50/p99 at concurrency 1
+and N, requests/s (the proxy has one core, so this is per core) and the proxy's CPU time
+per request (from /proc, less sensitive to the machine's other load than req/s): for a
+gateway, its own and the router's (heartbeats included) while the target ran, the router's
+share also given alone. The machine's load average before and after is printed with the
+table.
 
     .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
         [--upstream nginx|python] [--only relay,tracing] [--bodies chat|small]
-        [--cases chat1,chat,stream1,stream,repeat] [--rust-venv DIR]
+        [--cases chat1,chat,stream1,stream,repeat] [--rust-venv DIR] [--router-core 0]
 
 Needs wrk (Debian package `wrk`) and, by default, nginx (`nginx-light`). Prints a markdown
 table and writes bench/results/proxy_overhead.json.
@@ -552,6 +555,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def settle(pids: list[int], limit_s: float = 10.0) -> None:
+    """Wait until these processes stop working off what a run left them (requests whose
+    client has gone: a slow rung's backlog would otherwise run on the proxies' core during
+    the next target's run): at most one clock tick of CPU each (~5% of a core) over 0.2 s."""
+    deadline = time.monotonic() + limit_s
+    before = [cpu_seconds(pid) for pid in pids]
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = [cpu_seconds(pid) for pid in pids]
+        tick = 1.5 / os.sysconf("SC_CLK_TCK")
+        if all(b - a < tick for a, b in zip(before, now, strict=True)):
+            return
+        before = now
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -585,6 +603,12 @@ def main() -> None:
         default="",
         help="a virtual environment with sglang-router and/or vllm-router installed (pip): "
         "measured beside the gateway with their cache_aware policy",
+    )
+    parser.add_argument(
+        "--router-core",
+        default="0",
+        help="the core the router is pinned to: 0 (default) is the proxies' own, so a "
+        "gateway's figures are its and its router's on one core; 1 puts it beside wrk",
     )
     parser.add_argument(
         "--serve-gateway",
@@ -662,7 +686,10 @@ def main() -> None:
         state = {"state_dir": str(work / "state")}
         config = parse_config({**state, "router": router_cfg, "gateway": {"api_keys": keys}})
         (work / "router.toml").write_text(dump_config(config))
-        spawn([py, "-m", "hpcserve.cli", "router", "--config", str(work / "router.toml")], "1")
+        router = spawn(
+            [py, "-m", "hpcserve.cli", "router", "--config", str(work / "router.toml")],
+            args.router_core,
+        )
         targets: dict[str, tuple[str, int]] = {"direct": (upstream, 0)}
         for feature in FEATURES:
             if only and feature not in only:
@@ -762,16 +789,25 @@ def main() -> None:
                         stream=case == "stream",
                         fresh=case != "repeat",
                     )
+                    gateway = name in FEATURES and name != "relay"
                     cpu_before = cpu_seconds(pid) if pid else 0.0
+                    router_before = cpu_seconds(router.pid) if gateway else 0.0
                     r = run_wrk(base + "/v1/chat/completions", script, conns, args.seconds)
                     if pid and r["rps"] > 0:
+                        requests = r["rps"] * args.seconds
                         used = cpu_seconds(pid) - cpu_before
-                        r["cpu_us"] = used / (r["rps"] * args.seconds) * 1e6
+                        if gateway:
+                            routed = cpu_seconds(router.pid) - router_before
+                            r["router_cpu_us"] = routed / requests * 1e6
+                            used += routed
+                        r["cpu_us"] = used / requests * 1e6
+                    settle([pid, router.pid] if gateway else [pid] if pid else [])
                     results.setdefault(key, {}).setdefault(name, []).append(r)
                     print(
                         f"round {round_no + 1} {key:12s} {name:13s} p50 {r['p50_ms']:7.2f} ms"
                         f"  p99 {r['p99_ms']:7.2f} ms {r['rps']:8.0f} req/s"
-                        + (f" {r['cpu_us']:6.0f} us CPU" if "cpu_us" in r else ""),
+                        + (f" {r['cpu_us']:6.0f} us CPU" if "cpu_us" in r else "")
+                        + (f" (router {r['router_cpu_us']:.0f})" if "router_cpu_us" in r else ""),
                         file=sys.stderr,
                         flush=True,
                     )
@@ -801,14 +837,14 @@ def main() -> None:
     )
     print(
         "\n| case | target | p50 | added p50 | p99 | req/s (proxy on 1 core) "
-        "| proxy CPU per request | CPU / relay's |"
+        "| proxy CPU per request | of which the router | CPU / relay's |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key, by_target in results.items():
         med = {
             name: {
                 m: statistics.median(r[m] for r in runs)
-                for m in ("p50_ms", "p99_ms", "rps", "cpu_us")
+                for m in ("p50_ms", "p99_ms", "rps", "cpu_us", "router_cpu_us")
                 if all(m in r for r in runs)
             }
             for name, runs in by_target.items()
@@ -817,12 +853,13 @@ def main() -> None:
         for name, m in med.items():
             added = m["p50_ms"] - med["direct"]["p50_ms"]
             cpu = f"{m['cpu_us']:.0f} us" if "cpu_us" in m else "-"
+            routed = f"{m['router_cpu_us']:.0f} us" if "router_cpu_us" in m else "-"
             ratio = f"{m['cpu_us'] / relay_cpu:.2f}x" if relay_cpu and "cpu_us" in m else "-"
             label = name if name in ("direct", "relay", *RUST_ROUTERS) else "+ " + name
             print(
                 f"| {key} | {label} | "
                 f"{m['p50_ms']:.2f} ms | {'-' if name == 'direct' else f'+{added:.2f} ms'} | "
-                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {ratio} |"
+                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {routed} | {ratio} |"
             )
             rows.append({"case": key, "target": name, **m})
     meta = {
@@ -832,6 +869,7 @@ def main() -> None:
         "bodies": args.bodies,
         "cpu": cpu_model,
         "rust_routers": rust_versions,
+        "router_core": args.router_core,
         "load_before": load_before,
         "load_after": load_after,
     }

@@ -21,7 +21,7 @@
 
 /* Bump when the functions below change what they take or return: prefix_hash.py refuses a
  * stale build (an editable install does not rebuild the extension by itself). */
-#define BLOCKHASH_API_VERSION 2
+#define BLOCKHASH_API_VERSION 3
 
 #define XXPRIME_1 ((uint64_t)11400714785074694791ULL)
 #define XXPRIME_2 ((uint64_t)14029467366897019727ULL)
@@ -395,6 +395,27 @@ chain_hashes_msgpack(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return hash_msgpack_blocks(args[0], size, lane, max_blocks);
 }
 
+/* holders[h] = bit if absent, else holders[h] | bit (kept when it is `bit` itself, so a
+ * block held by one replica shares the slot's cached int); -1 with an exception set. */
+static int
+add_holder(PyObject *holders, PyObject *h, PyObject *bit)
+{
+    PyObject *old = PyDict_SetDefault(holders, h, bit); /* borrowed */
+    if (old == NULL) {
+        return -1;
+    }
+    if (old == bit) {
+        return 0;
+    }
+    PyObject *mask = PyNumber_Or(old, bit);
+    if (mask == NULL) {
+        return -1;
+    }
+    int failed = PyDict_SetItem(holders, h, mask);
+    Py_DECREF(mask);
+    return failed;
+}
+
 PyDoc_STRVAR(store_msgpack_blocks_doc,
 "store_msgpack_blocks(token_ids, block_size, parent, block_hashes, engine, holders, bit)\n"
 "-> list[int]\n\n"
@@ -445,20 +466,8 @@ store_msgpack_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (failed < 0) {
             goto error;
         }
-        PyObject *old = PyDict_SetDefault(holders, h, bit); /* borrowed */
-        if (old == NULL) {
+        if (add_holder(holders, h, bit) < 0) {
             goto error;
-        }
-        if (old != bit) {
-            PyObject *mask = PyNumber_Or(old, bit);
-            if (mask == NULL) {
-                goto error;
-            }
-            failed = PyDict_SetItem(holders, h, mask);
-            Py_DECREF(mask);
-            if (failed < 0) {
-                goto error;
-            }
         }
     }
     return ours;
@@ -485,6 +494,143 @@ array_length(PyObject *module, PyObject *arg)
     return count < 0 ? NULL : PyLong_FromSsize_t(count);
 }
 
+PyDoc_STRVAR(mask_run_doc,
+"mask_run(holders, hashes, start, alive) -> int\n\n"
+"PrefixIndex.match_slots's walk, compiled: the first index i >= start of the list `hashes`\n"
+"whose holder mask (holders.get(hashes[i], 0)) drops a bit of `alive` (a non-zero int), or\n"
+"len(hashes) when none does. A mask that is `alive`, equals it, or (both within 64 bits)\n"
+"holds every bit of it keeps the walk going; a wider one that differs stops it, and the\n"
+"caller decides.");
+
+static PyObject *
+mask_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "mask_run() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *holders = args[0], *hashes = args[1], *alive = args[3];
+    if (!PyDict_CheckExact(holders) || !PyList_Check(hashes) || !PyLong_Check(alive)) {
+        PyErr_SetString(PyExc_TypeError, "mask_run() takes (dict, list, int, int)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    /* Within 64 bits, masks compare as machine words; a wider `alive` only by identity or
+     * equality (an index of more than 64 replicas: the caller's Python handles the rest). */
+    unsigned long long want = PyLong_AsUnsignedLongLong(alive);
+    int narrow = !(want == (unsigned long long)-1 && PyErr_Occurred());
+    if (!narrow) {
+        PyErr_Clear();
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (start < 0) {
+        start = 0;
+    }
+    for (Py_ssize_t i = start; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(hashes, i);
+        Py_INCREF(h);
+        PyObject *mask = PyDict_GetItemWithError(holders, h); /* borrowed */
+        Py_DECREF(h);
+        if (mask == alive) {
+            continue;
+        }
+        if (mask == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            return PyLong_FromSsize_t(i);
+        }
+        if (narrow && PyLong_Check(mask)) {
+            unsigned long long have = PyLong_AsUnsignedLongLong(mask);
+            if (have == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear(); /* wider than 64 bits (or negative): the caller's */
+                return PyLong_FromSsize_t(i);
+            }
+            if ((have & want) == want) {
+                continue;
+            }
+            return PyLong_FromSsize_t(i);
+        }
+        int same = PyObject_RichCompareBool(mask, alive, Py_EQ);
+        if (same < 0) {
+            return NULL;
+        }
+        if (!same) {
+            return PyLong_FromSsize_t(i);
+        }
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+PyDoc_STRVAR(note_blocks_doc,
+"note_blocks(recent, holders, hashes, start, expires, bit, renew_before) -> None\n\n"
+"RoutedPrefixes.routed's work, compiled: for each hash of the list `hashes` from `start`:\n"
+"one not in `recent` (an OrderedDict: hash -> expiry) gets holders[h] = bit if absent, else\n"
+"holders[h] | bit (kept when it is `bit` itself), and recent[h] = expires (at the end); one\n"
+"in it expiring before `renew_before` gets recent[h] = expires (in its place); one expiring\n"
+"later is left as it is (a hot prefix is not rewritten on every request).");
+
+static PyObject *
+note_blocks(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "note_blocks() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *recent = args[0], *holders = args[1], *hashes = args[2], *expires = args[4];
+    PyObject *bit = args[5];
+    double renew_before = PyFloat_AsDouble(args[6]);
+    if (renew_before == -1.0 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyDict_Check(recent) || !PyDict_CheckExact(holders) || !PyList_Check(hashes)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "note_blocks() takes (OrderedDict, dict, list, int, float, int, float)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    if (start == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (start < 0) {
+        start = 0;
+    }
+    PyObject *h = NULL;
+    for (Py_ssize_t i = start; i < PyList_GET_SIZE(hashes); i++) {
+        h = PyList_GET_ITEM(hashes, i);
+        Py_INCREF(h);
+        PyObject *until = PyDict_GetItemWithError(recent, h); /* borrowed */
+        if (until == NULL && PyErr_Occurred()) {
+            goto error;
+        }
+        if (until != NULL) {
+            if (PyFloat_Check(until) && PyFloat_AS_DOUBLE(until) >= renew_before) {
+                Py_DECREF(h);
+                continue;
+            }
+        }
+        else {
+            if (add_holder(holders, h, bit) < 0) {
+                goto error;
+            }
+        }
+        /* PyObject_SetItem, not PyDict_SetItem: an OrderedDict keeps its order itself. */
+        if (PyObject_SetItem(recent, h, expires) < 0) {
+            goto error;
+        }
+        Py_DECREF(h);
+    }
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(h);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"chain_hashes", (PyCFunction)(void (*)(void))chain_hashes, METH_FASTCALL,
      chain_hashes_doc},
@@ -493,6 +639,8 @@ static PyMethodDef methods[] = {
     {"store_msgpack_blocks", (PyCFunction)(void (*)(void))store_msgpack_blocks,
      METH_FASTCALL, store_msgpack_blocks_doc},
     {"array_length", array_length, METH_O, array_length_doc},
+    {"mask_run", (PyCFunction)(void (*)(void))mask_run, METH_FASTCALL, mask_run_doc},
+    {"note_blocks", (PyCFunction)(void (*)(void))note_blocks, METH_FASTCALL, note_blocks_doc},
     {NULL, NULL, 0, NULL},
 };
 

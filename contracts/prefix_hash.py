@@ -59,7 +59,7 @@ def chain_hashes_reference(tokens: Sequence[int], block_size: int, parent: int) 
     return out
 
 
-_API_VERSION = 2  # contracts/_blockhash.c's BLOCKHASH_API_VERSION
+_API_VERSION = 3  # contracts/_blockhash.c's BLOCKHASH_API_VERSION
 _built = getattr(_blockhash, "API_VERSION", None)
 if _built != _API_VERSION:
     raise ImportError(
@@ -84,6 +84,17 @@ OR-ed with `bit`; with fewer, nothing is stored."""
 
 msgpack_array_length = _blockhash.array_length
 """The item count of the msgpack array in a buffer (its header only)."""
+
+holder_mask_run = _blockhash.mask_run
+"""(holders, hashes, start, alive) -> int: the prefix index's walk (PrefixIndex.match_slots),
+compiled: the first index from `start` whose holder mask drops a bit of `alive`, or
+len(hashes); a mask wider than 64 bits that differs from `alive` also stops it."""
+
+note_routed_blocks = _blockhash.note_blocks
+"""(recent, holders, hashes, start, expires, bit, renew_before) -> None: RoutedPrefixes.routed's
+work, compiled: each hash from `start` not in `recent` OR-ed into its holder mask and recorded
+until `expires`; a recorded one expiring before `renew_before` renewed in its place, a later
+one left as it is."""
 
 
 def _check_parity() -> None:

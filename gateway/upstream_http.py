@@ -152,14 +152,18 @@ class ResponseParser:
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
-        self._parser = httptools.HttpResponseParser(self)
+        # The httptools parser holds bound methods of this object: a reference cycle, let go
+        # at the message's end so that a response is freed by its last reference, not by the
+        # garbage collector (a young-generation pass every few hundred requests otherwise).
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     def feed(self, data: bytes) -> None:
-        if self.complete:
+        parser = self._parser
+        if self.complete or parser is None:
             self.keep_alive = False  # talking after its answer: not to be trusted again
             return
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             raise UpstreamProtocolError("The upstream switched protocols (not HTTP/1.1)") from None
         except httptools.HttpParserError as err:
@@ -194,14 +198,15 @@ class ResponseParser:
             self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.complete:
+        parser = self._parser
+        if self.complete or parser is None:
             return
-        status = self._parser.get_status_code()
+        status = parser.get_status_code()
         if status < 200:  # 100 Continue and the like: the real answer follows
             self.headers = []
             return
         self.status = status
-        self.keep_alive = self._parser.should_keep_alive()
+        self.keep_alive = parser.should_keep_alive()
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -212,6 +217,7 @@ class ResponseParser:
     def on_message_complete(self) -> None:
         if self.headers_done and not self.complete:
             self.complete = True
+            self._parser = None  # (feed_data, running, holds its own reference)
 
 
 # -- connections -------------------------------------------------------------------------

@@ -132,19 +132,23 @@ class Signals:
         n = len(self.replicas)
         return sum(r.kv_usage for r in self.replicas) / n if n else 0.0
 
-    def per_replica(self, target_in_flight: int) -> int:
+    def per_replica(self, target_in_flight: int, queued_over: int = 0) -> int:
         """What one replica carries: the modelled capacity (else the config's target), or
-        what a queueing one runs, whichever is lower."""
-        saturated = [r.running for r in self.replicas if r.waiting > 0 and r.running > 0]
-        return max(1, min([self.capacity or target_in_flight, *saturated]))
+        what a queueing one runs, whichever is lower. A replica queues when more than
+        `queued_over` requests wait in it (the pool's max_waiting_per_replica): a request or
+        two waiting for the engine's next step, or behind a long prompt's prefill, is how
+        any busy engine looks at a random instant, not a limit (issue 19's compressed day:
+        one such replica running 1 sized the whole pool at 1 per replica, 9->24)."""
+        full = [r.running for r in self.replicas if r.waiting > queued_over and r.running > 0]
+        return max(1, min([self.capacity or target_in_flight, *full]))
 
-    def capacity_text(self, target_in_flight: int) -> str:
+    def capacity_text(self, target_in_flight: int, queued_over: int = 0) -> str:
         """One replica's capacity and its source, for `hpcserve status`."""
         modelled = self.capacity or target_in_flight
         rate = f", {self.capacity_rps:.3g} req/s" if self.capacity_rps else ""
         source = self.capacity_source or "config target_in_flight, not modelled"
         text = f"one replica sustains {modelled} in flight{rate} ({source})"
-        now = self.per_replica(target_in_flight)
+        now = self.per_replica(target_in_flight, queued_over)
         if now < modelled:
             text += f"; its engines queue at {now} running, so {now} holds now"
         return text
@@ -295,7 +299,7 @@ def _decide(cfg: AutoscaleConfig, sig: Signals, state: AutoscaleState, now: floa
     n = len(sig.replicas)
     if n == 0:
         return _hold(state, "no replica serves yet: nothing to measure", pressure=None, slack=None)
-    per_replica = sig.per_replica(cfg.target_in_flight)
+    per_replica = sig.per_replica(cfg.target_in_flight, cfg.max_waiting_per_replica)
     growth = _queue_growth(cfg, sig, state, now)
     backlog = growth * sig.forecast_horizon_s  # what it will have grown by in a cold start
     wanted = math.ceil((sig.load + backlog) / per_replica) + cfg.warm_spares

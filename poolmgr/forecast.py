@@ -19,7 +19,8 @@ highest expected peak minute of the quarter hours the horizon reaches (read
 today's traffic over the profile's (the quarter hour just ended, measured against its
 profile mean; after a start, the level against the mean now). A quarter hour's expected
 peak is its learnt peak one-minute rate less what chance adds to the highest of 15 Poisson
-minutes (a 10-minute burst is a peak the quarter hour's mean would halve); the current
+minutes (a 10-minute burst is a peak the quarter hour's mean would halve), of the requests
+seen where each counted several times (a rehearsal: `Profile.noise`); the current
 quarter hour's counts until today's peak minute has reached it (then the trend has it).
 For an SLO, being early costs GPU-minutes, being late costs the peak. No forecast until a
 slice has been measured.
@@ -27,6 +28,7 @@ slice has been measured.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import deque
@@ -47,9 +49,10 @@ SLICE_S = 60.0  # the trend's step
 LEVEL_WEIGHT = 0.5  # Holt's alpha
 SLOPE_WEIGHT = 0.2  # Holt's beta
 PROFILE_WEIGHT = 0.3  # a new day's weight in a quarter hour's mean
-# The expected highest of 15 standard normal draws: a quarter hour's peak minute exceeds its
-# rate by about this many standard deviations of a one-minute Poisson count by chance.
-PEAK_NOISE = 1.74
+# A quarter hour's minutes: its peak minute is the highest of this many Poisson counts, and
+# exceeds its rate by chance (by about 1.74 standard deviations of a minute's count where the
+# counts are large, by more on a few requests a minute: poisson_max_excess).
+MINUTES_PER_BIN = round(BIN_S / SLICE_S)
 SEEN = 0.9  # today's peak minute at this share of the expected peak: it has come
 RATIO_MIN_ARRIVALS = 30  # a quarter hour's expected arrivals to scale the profile by it
 # The profile is read this far beyond the horizon (the p90 cold start): a known rise needs
@@ -70,10 +73,14 @@ TREND_MAX_RATIO = 2.0
 
 class Profile(msgspec.Struct):
     """A pool's mean arrival rate (requests/s) per quarter hour of the day, and the peak
-    one-minute rate within it (a burst shorter than the quarter hour); None: not seen."""
+    one-minute rate within it (a burst shorter than the quarter hour); None: not seen.
+    `noise`: per quarter hour, the square root of the count each request had in the days its
+    peak was learnt from (1 for a real pool, a rehearsal's speedup under a compressed day),
+    weighted as the peaks are: a peak minute's chance excess grows with it (None: 1)."""
 
     bins: list[float | None] = msgspec.field(default_factory=lambda: [None] * BINS)
     peaks: list[float | None] = msgspec.field(default_factory=lambda: [None] * BINS)
+    noise: list[float | None] = msgspec.field(default_factory=lambda: [None] * BINS)
 
 
 def time_bin(at: float) -> int:
@@ -187,6 +194,13 @@ class Forecasts:
         state.profile.peaks[state.bin] = (
             peak if old is None else PROFILE_WEIGHT * peak + (1 - PROFILE_WEIGHT) * old
         )
+        if len(state.profile.noise) != BINS:  # a file written before the noise was kept
+            state.profile.noise = [None] * BINS
+        scale = math.sqrt(state.unit)
+        if old is not None:  # the old peak's, weighted as the peaks are
+            before = _noise(state.profile, state.bin)
+            scale = PROFILE_WEIGHT * scale + (1 - PROFILE_WEIGHT) * before
+        state.profile.noise[state.bin] = scale
         self._save()
 
     def _save(self) -> None:
@@ -284,10 +298,38 @@ def _trend(state: _Pool, horizon_s: float) -> float:
 def expected_peak(profile: Profile, b: int) -> float | None:
     """Quarter hour b's expected peak one-minute rate: its learnt peak less what Poisson
     arrivals add to the highest of its 15 minutes by chance, at least its mean; its mean
-    where no peak was learnt; None: not seen."""
+    where no peak was learnt; None: not seen. Where each request counted u times (a
+    rehearsal, Profile.noise = sqrt(u)), a minute's count is u times a Poisson count of
+    1/u as many requests, and the highest of 15 of those exceeds the rate by u times their
+    own excess: several times a real pool's at the same rate."""
     mean = profile.bins[b]
     if mean is None:
         return None
     if len(profile.peaks) != BINS or (peak := profile.peaks[b]) is None:
         return mean
-    return max(mean, peak - PEAK_NOISE * math.sqrt(mean / SLICE_S))
+    unit = _noise(profile, b) ** 2
+    per_minute = mean * SLICE_S / unit  # requests a minute, each counted `unit` times
+    excess = poisson_max_excess(round(per_minute, 2)) * unit / SLICE_S
+    return max(mean, peak - excess)
+
+
+def _noise(profile: Profile, b: int) -> float:
+    """Quarter hour b's noise scale (Profile.noise); 1 where none was kept."""
+    scale = profile.noise[b] if len(profile.noise) == BINS else None
+    return 1.0 if scale is None else scale
+
+
+@functools.lru_cache(maxsize=4096)
+def poisson_max_excess(mean: float, n: int = MINUTES_PER_BIN) -> float:
+    """E[the highest of n Poisson(mean) counts] - mean: the sum over k of P(max > k) =
+    1 - F(k)^n, from where F is still negligible (mean less 10 standard deviations)."""
+    if mean <= 0:
+        return 0.0
+    spread = 10 * math.sqrt(mean) + 10
+    low = max(0, int(mean - spread))
+    total, cdf = float(low), 0.0
+    log_mean = math.log(mean)
+    for k in range(low, int(mean + spread) + 1):
+        cdf = min(1.0, cdf + math.exp(k * log_mean - mean - math.lgamma(k + 1)))
+        total += 1.0 - cdf**n
+    return total - mean

@@ -445,7 +445,7 @@ class PoolManager:
             signals=signals.summary(),
             last_reason=decision.state.last_reason,
             now=decision.reason,
-            capacity=signals.capacity_text(auto.target_in_flight),
+            capacity=signals.capacity_text(auto.target_in_flight, auto.max_waiting_per_replica),
         )
 
     # -- acting ------------------------------------------------------------------------------

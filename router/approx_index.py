@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 from hpcserve.router.prefix_index import PrefixIndex
 
+RENEW_SLACK = 0.125  # of the TTL: a recorded block with more left is not renewed
+
 
 class RoutedPrefixes:
     def __init__(self, index: PrefixIndex, ttl_s: float, max_blocks: int) -> None:
@@ -49,17 +51,19 @@ class RoutedPrefixes:
         the caller found it holding) is recorded for `ttl_s` (default: the approximate
         mode's), a recorded one renewed. Blocks past a replica's matched prefix are taken as
         not held: one it held anyway could not extend a match (the walk stops at the gap)."""
-        slot = self.index.slot(replica_id)
-        recent = self.index.unconfirmed(slot)
-        tail = hashes[skip:] if skip else hashes
-        if not tail:
+        if skip >= len(hashes):
             return
-        fresh = [h for h in tail if h not in recent]
+        slot = self.index.slot(replica_id)
         # A renewed block keeps its place: the order is only the expiry scan's (and the
         # bound's) and a renewed block stops the scan at worst until it expires itself.
-        recent.update(dict.fromkeys(tail, now + (self.ttl_s if ttl_s is None else ttl_s)))
-        self.index.add_hashes(slot, fresh)
-        self._expire(recent, slot, now)
+        # One with more than RENEW_SLACK of its TTL left is not renewed, so a hot prefix is
+        # not rewritten on every request: a block lives 7/8 of its TTL to all of it after
+        # the last request that routed it.
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        expires = now + ttl
+        hashes = hashes if type(hashes) is list else list(hashes)
+        self.index.note_routed(slot, hashes, skip, expires, expires - ttl * RENEW_SLACK)
+        self._expire(self.index.unconfirmed(slot), slot, now)
 
     def expire(self, now: float) -> None:
         """Forget every replica's expired blocks (a replica that gets no request meanwhile

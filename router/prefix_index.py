@@ -31,7 +31,9 @@ from hpcserve.contracts import kv_wire as kw
 from hpcserve.contracts.prefix_hash import (
     chain_hashes,
     chain_seed,
+    holder_mask_run,
     msgpack_array_length,
+    note_routed_blocks,
     store_msgpack_blocks,
 )
 
@@ -183,6 +185,16 @@ class PrefixIndex:
     def holds(self, slot: int, h: int) -> bool:
         return bool(self._holders.get(h, 0) & self._bits[slot])
 
+    def note_routed(
+        self, slot: int, hashes: list[int], start: int, expires: float, renew_before: float
+    ) -> None:
+        """The blocks of `hashes` from `start` routed to the slot: each not yet unconfirmed
+        there is added to its holders and recorded as unconfirmed until `expires`; a recorded
+        one expiring before `renew_before` is renewed to `expires` in its place. Compiled
+        (note_routed_blocks)."""
+        recent, bit = self._unconfirmed[slot], self._bits[slot]
+        note_routed_blocks(recent, self._holders, hashes, start, expires, bit, renew_before)
+
     def add_hashes(self, slot: int, hashes: Iterable[int]) -> None:
         holders, bit = self._holders, self._bits[slot]
         for h in hashes:
@@ -214,7 +226,9 @@ class PrefixIndex:
         return {ids[slot]: depth for slot, depth in zip(slots, depths, strict=True)}  # type: ignore[misc]
 
     def match_slots(self, hashes: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Like `match`, by slot: (slots, matched depth of each); the decision's hot path."""
+        """Like `match`, by slot: (slots, matched depth of each); the decision's hot path.
+        The runs of blocks with the same holders are walked compiled (holder_mask_run);
+        this loop sees only where a replica drops out."""
         slots: list[int] = []
         depths: list[int] = []
         if not hashes:
@@ -223,17 +237,15 @@ class PrefixIndex:
         alive = holders.get(hashes[0], 0)
         if not alive:
             return slots, depths
+        if type(hashes) is not list:
+            hashes = list(hashes)
+        n = len(hashes)
         depth = 1
-        get = holders.get
-        rest = iter(hashes)
-        next(rest)
-        for h in rest:
-            mask = get(h, 0)
-            # Blocks held by one replica share its cached bit: the same holders, no AND.
-            if mask is alive:
-                depth += 1
-                continue
-            still = alive & mask
+        while True:
+            depth = holder_mask_run(holders, hashes, depth, alive)
+            if depth >= n:
+                break
+            still = alive & holders.get(hashes[depth], 0)
             if still != alive:
                 lost = alive & ~still
                 while lost:

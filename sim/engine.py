@@ -64,6 +64,9 @@ class SimConfig:
     # A KV-transfer connector (--kv-transfer-config, sim/transfer.py): a prefill replica
     # answers kv_transfer_params, a decode replica loads a prompt instead of computing it.
     kv_transfer: KVTransferConfig | None = None
+    # vLLM's --stream-interval: a stream sends the first token at once, then every this many
+    # tokens (and the last), fewer events for the same tokens.
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,11 @@ class SimMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
 
+        def counters(name: str, doc: str, label: str, keys: tuple[str, ...]) -> dict[str, Counter]:
+            """One counter for each of `keys`, the value of one more label."""
+            family = Counter(name, doc, [*labels, label], registry=r)
+            return {k: family.labels(*values, k) for k in keys}
+
         self.running = gauge("vllm:num_requests_running", "Requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
@@ -58,13 +63,12 @@ class SimMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens processed.")
-        by_source = Counter(
+        self.prompt_by_source = counters(
             "vllm:prompt_tokens_by_source",
             "Number of prompt tokens by source.",
-            [*labels, "source"],
-            registry=r,
+            "source",
+            PROMPT_SOURCES,
         )
-        self.prompt_by_source = {s: by_source.labels(*values, s) for s in PROMPT_SOURCES}
         self.prompt_cached = counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
@@ -76,13 +80,12 @@ class SimMetrics:
         self.xfer_bytes = histogram(
             "vllm:nixl_bytes_transferred", "Bytes per KV-cache transfer.", XFER_BYTES_BUCKETS
         )
-        success = Counter(
+        self.success = counters(
             "vllm:request_success",
             "Count of successfully processed requests.",
-            [*labels, "finished_reason"],
-            registry=r,
+            "finished_reason",
+            FINISH_REASONS,
         )
-        self.success = {reason: success.labels(*values, reason) for reason in FINISH_REASONS}
         self.ttft = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )

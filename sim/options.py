@@ -4,9 +4,9 @@ vLLM flags honoured: --model (the directory whose tokenizer and config.json are 
 --served-model-name, --host, --port, --max-model-len, --max-num-seqs,
 --max-num-batched-tokens, --block-size, --num-gpu-blocks-override,
 --tensor-parallel-size, --kv-events-config (JSON, as vLLM takes it), --scheduling-policy
-(fcfs, priority), --shutdown-timeout and --kv-transfer-config (a prefill or decode replica:
-any connector, modelled by sim/transfer.py). Other vLLM flags (--dtype ...) are accepted and
-ignored, so a pool's engine_args work for either engine.
+(fcfs, priority), --shutdown-timeout, --stream-interval and --kv-transfer-config (a prefill
+or decode replica: any connector, modelled by sim/transfer.py). Other vLLM flags (--dtype
+...) are accepted and ignored, so a pool's engine_args work for either engine.
 
 The simulator's own: --sim-gpu (a GPU of the planner's catalog), --sim-model (a catalog
 model or a config.json; default: the --model directory's config.json, else
@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-ms-per-token", type=float, default=None)
     parser.add_argument("--decode-ms-per-token", type=float, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="vLLM's: stream the first token, then every N tokens and the last",
+    )
     parser.add_argument(
         "--request-trace", default="", help="append one JSON line per finished request here"
     )
@@ -144,7 +150,8 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         raise OptionsError(
             f"--scheduling-policy: {args.scheduling_policy!r}; allowed: {', '.join(POLICIES)}"
         )
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "default_max_tokens"):
+    flags = ("max_num_seqs", "max_num_batched_tokens", "block_size", "default_max_tokens")
+    for flag in (*flags, "stream_interval"):
         if getattr(args, flag) < 1:
             name = "--" + flag.replace("_", "-")
             raise OptionsError(f"{name}: must be >= 1, got {getattr(args, flag)}")
@@ -174,4 +181,5 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         request_trace=args.request_trace,
         error_rate=args.sim_error_rate,
         kv_transfer=kv_transfer,
+        stream_interval=args.stream_interval,
     )

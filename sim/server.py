@@ -231,17 +231,25 @@ class _Reply:
         if self.chat:
             delta = {"role": "assistant", "content": ""}
             yield self._chunk([{"index": 0, "delta": delta, "finish_reason": None}])
+        interval = engine.config.stream_interval
+        pending: list[str] = []  # tokens not sent yet (--stream-interval)
         try:
             async for out in engine.stream(req):
+                pending.append(out.text)
+                # vLLM's rule: the first token at once, then every `interval`, and the last.
+                if out.index and out.finish_reason is None and len(pending) < interval:
+                    continue
+                text = "".join(pending)
+                pending.clear()
                 choice: dict[str, Any] = {
                     "index": 0,
                     "logprobs": None,
                     "finish_reason": out.finish_reason,
                 }
                 if self.chat:
-                    choice["delta"] = {"content": out.text}
+                    choice["delta"] = {"content": text}
                 else:
-                    choice["text"] = out.text
+                    choice["text"] = text
                 yield self._chunk([choice], **({"usage": self.usage(req)} if continuous else {}))
         except EngineClosed:
             return

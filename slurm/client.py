@@ -18,7 +18,7 @@ import shlex
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from hpcserve.slurm.parse import (
     SACCT_FIELDS,
@@ -35,6 +35,7 @@ from hpcserve.slurm.parse import (
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Runner = Callable[[list[str], "str | None"], "subprocess.CompletedProcess[str]"]
 _QUOTE_LIMIT = 2000
 # scancel's complaints about jobs that are already gone: a race with the job ending, not a fault
@@ -176,13 +177,7 @@ class SlurmCLI:
     def submit(self, script: str, *, extra_args: Sequence[str] = ()) -> int:
         """sbatch the script (passed on stdin); extra_args go before it, e.g. ["--hold"]."""
         argv = ["sbatch", "--parsable", *extra_args]
-        res = self._run(argv, script)
-        try:
-            return parse_sbatch_parsable(res.stdout)
-        except SlurmParseError as exc:
-            raise SlurmError(
-                f"cannot read the job id: {exc}", argv=argv, stdout=res.stdout, stderr=res.stderr
-            ) from exc
+        return _parsed(argv, self._run(argv, script), parse_sbatch_parsable, "the job id")
 
     def test_submit(self, script: str, *, extra_args: Sequence[str] = ()) -> str:
         """`sbatch --test-only`: would Slurm take this job (nothing is submitted)? Returns
@@ -195,13 +190,7 @@ class SlurmCLI:
         """Every job slurmctld still remembers (all users, all partitions, finished ones
         until MinJobAge), in ONE squeue call; name_prefix filters here, not in Slurm."""
         argv = ["squeue", "--all", "--json"]
-        res = self._run(argv)
-        try:
-            snap = parse_squeue_json(res.stdout)
-        except SlurmParseError as exc:
-            raise SlurmError(
-                f"cannot read squeue's output: {exc}", argv=argv, stderr=res.stderr
-            ) from exc
+        snap = _parsed(argv, self._run(argv), parse_squeue_json, "squeue's output")
         if snap.release:
             self._release = snap.release
         if name_prefix is not None:
@@ -250,13 +239,7 @@ class SlurmCLI:
             f"--endtime={_sacct_time(until)}",
             f"--format={','.join(SACCT_FIELDS)}",
         ]
-        res = self._run(argv)
-        try:
-            return parse_sacct(res.stdout)
-        except SlurmParseError as exc:
-            raise SlurmError(
-                f"cannot read sacct's output: {exc}", argv=argv, stderr=res.stderr
-            ) from exc
+        return _parsed(argv, self._run(argv), parse_sacct, "sacct's output")
 
     # -- nodes
     def nodes(self) -> list[SlurmNode]:
@@ -273,24 +256,13 @@ class SlurmCLI:
         if res.returncode != 0:
             raise SlurmError.failed(f"{argv[0]} failed", argv, res)
         self._nodes_argv = argv
-        try:
-            return parse_scontrol_show_node_json(res.stdout)
-        except SlurmParseError as exc:
-            raise SlurmError(
-                f"cannot read the node list: {exc}", argv=argv, stderr=res.stderr
-            ) from exc
+        return _parsed(argv, res, parse_scontrol_show_node_json, "the node list")
 
     def topology(self) -> dict[str, str]:
         """Node -> its leaf switch (`scontrol show topology`, topology/tree); {} where the
         site has no switch topology (Slurm then says so on stderr and exits 0)."""
         argv = ["scontrol", "show", "topology"]
-        res = self._run(argv)
-        try:
-            return parse_scontrol_show_topology(res.stdout)
-        except SlurmParseError as exc:
-            raise SlurmError(
-                f"cannot read the switch topology: {exc}", argv=argv, stderr=res.stderr
-            ) from exc
+        return _parsed(argv, self._run(argv), parse_scontrol_show_topology, "the switch topology")
 
     def drain_node(self, node: str, reason: str) -> None:
         if not reason.strip():
@@ -310,6 +282,20 @@ class SlurmCLI:
                 raise SlurmError("cannot read the Slurm release", argv=argv, stdout=res.stdout)
             self._release = match.group(1)
         return self._release
+
+
+def _parsed(
+    argv: list[str],
+    res: subprocess.CompletedProcess[str],
+    parse: Callable[[str], T],
+    what: str,
+) -> T:
+    """`parse` of what `argv` printed; where it cannot, a SlurmError naming `what`, with the
+    parser's complaint (which quotes the output), the command and its stderr."""
+    try:
+        return parse(res.stdout)
+    except SlurmParseError as exc:
+        raise SlurmError(f"cannot read {what}: {exc}", argv=argv, stderr=res.stderr) from exc
 
 
 def _sacct_time(epoch: float) -> str:

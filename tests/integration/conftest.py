@@ -15,6 +15,7 @@ from hpcserve.contracts.router_client import list_models
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
+from tests.integration.pool_rig import PoolRig
 from tests.integration.slurm_helpers import running_cluster, wait_for
 
 
@@ -31,6 +32,18 @@ def slurm(cluster: LocalSlurm) -> Iterator[SlurmCLI]:
     active = [j.job_id for j in client.jobs().jobs if j.state.is_active]
     client.cancel(active)
     wait_for("all jobs to end", lambda: not any(j.state.is_active for j in client.jobs().jobs))
+
+
+@pytest.fixture
+def rig(
+    cluster: LocalSlurm,
+    slurm: SlurmCLI,
+    router: RouterServer,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> PoolRig:
+    """A pool-manager test's setup on the cluster (tests/integration/pool_rig.py)."""
+    return PoolRig(cluster, slurm, router, tmp_path, caplog)
 
 
 @pytest.fixture

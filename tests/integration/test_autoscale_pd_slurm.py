@@ -12,27 +12,17 @@ for its prefill (which a pool sized on that count would have followed up).
 
 from __future__ import annotations
 
-import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import msgspec
-import openai
 import pytest
 from prometheus_client import CollectorRegistry
-from starlette.testclient import TestClient
 
-from hpcserve.config import ApiKey, GatewayConfig, hash_api_key, parse_config
-from hpcserve.contracts.engine_token import read_token
-from hpcserve.contracts.router_client import list_replicas
-from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.localslurm import LocalSlurm
+from hpcserve.config import parse_config
 from hpcserve.poolmgr.manager import PoolManager
-from hpcserve.router.server import RouterServer
-from hpcserve.slurm.client import SlurmCLI
-from tests.integration.slurm_helpers import cluster_config, wait_for
+from tests.integration.pool_rig import PoolRig, poll_until
 
 pytestmark = pytest.mark.slurm
 
@@ -75,19 +65,11 @@ def document(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Bill of lading {i}. Extract the consignee. {words}"}]
 
 
-def test_long_prompts_grow_the_prefill_pool_and_not_the_decode_pool(
-    cluster: LocalSlurm,
-    slurm: SlurmCLI,
-    router: RouterServer,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
-    base = cluster_config(cluster, router, tmp_path, "pdas", {"model_path": "/nonexistent"})
-    data: dict[str, Any] = msgspec.to_builtins(base)
+def test_long_prompts_grow_the_prefill_pool_and_not_the_decode_pool(rig: PoolRig) -> None:
+    data: dict[str, Any] = msgspec.to_builtins(rig.config("pdas", {"model_path": "/nonexistent"}))
     data["pools"] = [PREFILL, DECODE]
     config = parse_config(data)
-    manager = PoolManager(config, slurm, metrics_registry=CollectorRegistry())
+    manager = PoolManager(config, rig.slurm, metrics_registry=CollectorRegistry())
     decode_targets: list[int] = []
 
     def poll() -> None:
@@ -97,30 +79,17 @@ def test_long_prompts_grow_the_prefill_pool_and_not_the_decode_pool(
             decode_targets.append(decision.target)
 
     def serving(pool: str) -> int:
-        return sum(1 for r in list_replicas(router.config.routing_bind) if r.pool == pool)
+        return len(rig.serving(pool))
 
-    def poll_until(what: str, condition: Any, timeout: float = 60) -> Any:
-        def step() -> Any:
-            poll()
-            return condition()
-
-        return wait_for(what, step, timeout=timeout)
-
-    poll_until("a prefill and a decode replica", lambda: serving("chat-prefill") == 1
+    poll_until(poll, "a prefill and a decode replica", lambda: serving("chat-prefill") == 1
                and serving("chat-decode") == 1)  # fmt: skip
-    gateway = Gateway(
-        GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))]),
-        routing_endpoint=router.config.routing_bind,
-        configured_models={"chat"},
-        engine_token=read_token(config.engine_token_path()),
-    )
     stop = threading.Event()
     answered: list[int] = []
     errors: list[str] = []
-    with TestClient(build_app(gateway)) as http, ThreadPoolExecutor(CLIENTS) as threads:
-        client = openai.OpenAI(
-            base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
-        )
+    with (
+        rig.openai_client(config, KEY, {"chat"}) as client,
+        ThreadPoolExecutor(CLIENTS) as threads,
+    ):
 
         def loop(i: int) -> None:
             while not stop.is_set():
@@ -136,19 +105,19 @@ def test_long_prompts_grow_the_prefill_pool_and_not_the_decode_pool(
         try:
             for i in range(CLIENTS):
                 threads.submit(loop, i)
-            poll_until("two prefill replicas serving", lambda: serving("chat-prefill") == 2)
+            poll_until(poll, "two prefill replicas serving", lambda: serving("chat-prefill") == 2)
             # Requests keep coming through both prefill replicas for a while: the decode
             # pool is asked again at every poll meanwhile.
             done = len(answered)
-            poll_until("more requests answered", lambda: len(answered) >= done + CLIENTS)
+            poll_until(poll, "more requests answered", lambda: len(answered) >= done + CLIENTS)
         finally:
             stop.set()
-    history = "\n".join(r.getMessage() for r in caplog.records)
+    history = rig.history()
     assert errors == [], errors[:3]
     assert min(answered) > 1000  # long prompts
     prefill_up = manager.autoscaled.states["chat-prefill"].last_reason
     assert prefill_up.startswith("up 1->2: ") and "waiting per replica > 1" in prefill_up, history
     assert decode_targets and set(decode_targets) == {1}, history
     assert serving("chat-decode") == 1
-    decode = [r for r in list_replicas(router.config.routing_bind) if r.pool == "chat-decode"]
+    decode = rig.serving("chat-decode")
     assert decode[0].routed >= len(answered)  # every request was decoded there

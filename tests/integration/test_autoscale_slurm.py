@@ -22,19 +22,15 @@ import msgspec
 import openai
 import pytest
 from prometheus_client import CollectorRegistry
-from starlette.testclient import TestClient
 
 from hpcserve.config import (
     ApiKey,
-    GatewayConfig,
     PlatformConfig,
     PoolConfig,
     dump_config,
     hash_api_key,
 )
-from hpcserve.contracts.engine_token import read_token
 from hpcserve.contracts.router_client import list_replicas
-from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.localslurm import LocalSlurm
 from hpcserve.modelcache.manifest import build_manifest
 from hpcserve.modelcache.registry import Registry as ModelRegistry
@@ -44,9 +40,9 @@ from hpcserve.poolmgr.state_files import read_status
 from hpcserve.ports import free_port
 from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
 from hpcserve.router.aliases import AliasCatalog, AliasRouter
-from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.slurm.parse import JobState, SlurmJob
+from tests.integration.pool_rig import PoolRig, poll_until
 from tests.integration.slurm_helpers import cluster_config, wait_for
 from tests.routers import loopback_router_config, running_router
 from tests.services import gateway_argv, service
@@ -83,10 +79,8 @@ def active(slurm: SlurmCLI) -> list[SlurmJob]:
 class Clients:
     """Clients that each send one completion after another through the gateway."""
 
-    def __init__(self, http: TestClient, pool: ThreadPoolExecutor) -> None:
-        self._client = openai.OpenAI(
-            base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
-        )
+    def __init__(self, client: openai.OpenAI, pool: ThreadPoolExecutor) -> None:
+        self._client = client
         self._pool = pool
         self.ok = 0
         self.errors: list[str] = []
@@ -106,46 +100,28 @@ class Clients:
 
 
 def test_a_burst_scales_up_and_idle_scales_down_through_drain_without_failing_a_request(
-    cluster: LocalSlurm,
-    slurm: SlurmCLI,
-    router: RouterServer,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
+    rig: PoolRig,
 ) -> None:
-    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
-    config = cluster_config(cluster, router, tmp_path, "as", POOL)
+    config = rig.config("as", POOL)
     registry = CollectorRegistry()
-    manager = PoolManager(config, slurm, metrics_registry=registry)
-
-    def poll_until(what: str, condition: Callable[[], Any], timeout: float = 120) -> Any:
-        def step() -> Any:
-            manager.poll_once()
-            return condition()
-
-        return wait_for(what, step, timeout=timeout)
+    manager = PoolManager(config, rig.slurm, metrics_registry=registry)
 
     def serving() -> int:
-        return sum(1 for r in list_replicas(router.config.routing_bind) if r.pool == "p")
+        return len(rig.serving("p"))
 
     def in_flight() -> int:
-        return sum(r.in_flight for r in list_replicas(router.config.routing_bind) if r.pool == "p")
+        return sum(r.in_flight for r in rig.serving("p"))
 
-    poll_until("one serving replica", lambda: serving() == 1)
-    gateway = Gateway(
-        GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))]),
-        routing_endpoint=router.config.routing_bind,
-        configured_models={"p"},
-        engine_token=read_token(config.engine_token_path()),
-    )
+    poll_until(manager.poll_once, "one serving replica", lambda: serving() == 1)
     burst, steady = threading.Event(), threading.Event()
-    with TestClient(build_app(gateway)) as http, ThreadPoolExecutor(11) as pool:
-        clients = Clients(http, pool)
+    with rig.openai_client(config, KEY, {"p"}) as client, ThreadPoolExecutor(11) as pool:
+        clients = Clients(client, pool)
         try:
             # 10 clients at once on one replica that runs 2: 8 wait; the load needs 5 at 2 each.
             clients.start(10, burst)
             wait_for("the burst in flight", lambda: in_flight() >= 8)
-            poll_until("three serving replicas", lambda: serving() == 3)
-            status = read_status(tmp_path)
+            poll_until(manager.poll_once, "three serving replicas", lambda: serving() == 3)
+            status = read_status(rig.state_dir)
             assert status is not None and status.pools[0].autoscale is not None
             up = status.pools[0].autoscale.last_reason
             # Straight to max, once the burst has lasted 1 s: 8+ in flight need 4+ at 2.
@@ -153,17 +129,17 @@ def test_a_burst_scales_up_and_idle_scales_down_through_drain_without_failing_a_
             # The burst ends; one client goes on while the pool drains back to its floor.
             clients.start(1, steady)
             burst.set()
-            poll_until("one job left", lambda: len(active(slurm)) == 1)
+            poll_until(manager.poll_once, "one job left", lambda: len(active(rig.slurm)) == 1)
             served = clients.ok
             wait_for("more requests served", lambda: clients.ok >= served + 5)
         finally:
             burst.set()
             steady.set()
     assert clients.errors == []
-    ended = [j for j in jobs(slurm) if not j.state.is_active]
-    history = "\n".join(r.getMessage() for r in caplog.records)
+    ended = [j for j in jobs(rig.slurm) if not j.state.is_active]
+    history = rig.history()
     assert [j.state for j in ended] == [JobState.COMPLETED] * 2, history  # drained, not killed
-    status = read_status(tmp_path)
+    status = read_status(rig.state_dir)
     assert status is not None and status.pools[0].autoscale is not None
     assert status.pools[0].autoscale.last_reason.startswith("down 2->1: "), status
     assert status.pools[0].desired == 1
@@ -214,32 +190,26 @@ class Polling:
 
 
 def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_zero(
-    cluster: LocalSlurm,
-    slurm: SlurmCLI,
-    router: RouterServer,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
+    rig: PoolRig,
 ) -> None:
-    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
-
     def with_gateway(config: PlatformConfig) -> PlatformConfig:
         keys = [ApiKey(tenant="t", sha256=hash_api_key(KEY))]
         gateway = msgspec.structs.replace(config.gateway, api_keys=keys, port=free_port())
         return msgspec.structs.replace(config, gateway=gateway)
 
-    config = with_gateway(cluster_config(cluster, router, tmp_path, "zero", ZERO_POOL))
+    config = with_gateway(rig.config("zero", ZERO_POOL))
     # A second gateway whose hold budget is 1 s: past it, 503 with Retry-After.
     short_pool = {**ZERO_POOL, "autoscale": {**ZERO_POOL["autoscale"], "wake_budget_s": 1}}
-    short = with_gateway(cluster_config(cluster, router, tmp_path, "zero", short_pool))
-    (tmp_path / "gw.toml").write_text(dump_config(config))
-    (tmp_path / "gw-short.toml").write_text(dump_config(short))
-    manager = PoolManager(config, slurm, metrics_registry=CollectorRegistry())
+    short = with_gateway(rig.config("zero", short_pool))
+    (rig.state_dir / "gw.toml").write_text(dump_config(config))
+    (rig.state_dir / "gw-short.toml").write_text(dump_config(short))
+    manager = PoolManager(config, rig.slurm, metrics_registry=CollectorRegistry())
 
     def ours() -> list[SlurmJob]:
-        return [j for j in slurm.jobs(name_prefix="zero-").jobs if j.name == "zero-p"]
+        return [j for j in rig.slurm.jobs(name_prefix="zero-").jobs if j.name == "zero-p"]
 
     def autoscale_status() -> Any:
-        status = read_status(tmp_path)
+        status = read_status(rig.state_dir)
         return status.pools[0].autoscale if status is not None else None
 
     def reason_starts(prefix: str) -> Callable[[], bool]:
@@ -250,8 +220,8 @@ def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_ze
     url = f"http://127.0.0.1:{config.gateway.port}"
     short_url = f"http://127.0.0.1:{short.gateway.port}"
     with (
-        service(gateway_argv(tmp_path / "gw.toml"), url),
-        service(gateway_argv(tmp_path / "gw-short.toml"), short_url),
+        service(gateway_argv(rig.state_dir / "gw.toml"), url),
+        service(gateway_argv(rig.state_dir / "gw-short.toml"), short_url),
         Polling(manager) as polling,
     ):
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -275,16 +245,16 @@ def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_ze
         (job,) = ours()
         # Its cold start, measured from this job (queue wait, then start-up until the router
         # listed it), is in the status and kept in the state dir for the next start.
-        status = wait_for("the cold start measured", lambda: (s := read_status(tmp_path)) and
+        status = wait_for("the cold start measured", lambda: (s := read_status(rig.state_dir)) and
                           s.pools[0].cold_start and s)  # fmt: skip
         assert "p90 (median queue" in status.pools[0].cold_start and "1 job(s)" in (
             status.pools[0].cold_start
         )
-        assert ColdStarts(tmp_path).samples["p"][0].job_id == job.job_id
+        assert ColdStarts(rig.state_dir).samples["p"][0].job_id == job.job_id
         # The engine's TTFT histogram comes with its heartbeats (the SLO signal's source).
         wait_for("the TTFT histogram on a heartbeat", lambda: any(
             r.load.ttft is not None and r.load.ttft.total >= 1
-            for r in list_replicas(router.config.routing_bind) if r.pool == "p"))  # fmt: skip
+            for r in rig.serving("p")))  # fmt: skip
         # No request for idle_s: it drains back to zero (the job ends COMPLETED, not killed).
         wait_for("scaled to zero", reason_starts("down 1->0: no request for "), timeout=120)
         done = wait_for("the job drained", lambda: [j for j in ours() if not j.state.is_active])
@@ -307,7 +277,7 @@ def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_ze
         polling.on.set()
         wait_for("woken again", lambda: len(ours()) == 2, timeout=120)
         assert reason_starts("up 0->1: ")()
-    history = "\n".join(r.getMessage() for r in caplog.records)
+    history = rig.history()
     assert history.count("autoscale up 0->1") == 2 and history.count("autoscale down 1->0") == 1
 
 
@@ -321,31 +291,24 @@ def hpcserve(*argv: str) -> str:
     return done.stdout
 
 
-def test_an_admins_scale_override_wins_over_the_autoscaler_until_reset(
-    cluster: LocalSlurm,
-    slurm: SlurmCLI,
-    router: RouterServer,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_an_admins_scale_override_wins_over_the_autoscaler_until_reset(rig: PoolRig) -> None:
     """`hpcserve scale p 3` on an idle autoscaled pool (min 1): it goes to 3 and stays
     there, though the autoscaler would take an idle pool down within 4 s; `hpcserve scale p
     --reset` gives it back, and the autoscaler drains it to its floor step by step."""
-    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
-    config = cluster_config(cluster, router, tmp_path, "ov", POOL)
-    path = tmp_path / "hpcserve.toml"
+    config = rig.config("ov", POOL)
+    path = rig.state_dir / "hpcserve.toml"
     path.write_text(dump_config(config))
     registry = CollectorRegistry()
-    manager = PoolManager(config, slurm, metrics_registry=registry)
+    manager = PoolManager(config, rig.slurm, metrics_registry=registry)
 
     def ours() -> list[SlurmJob]:
-        return [j for j in slurm.jobs(name_prefix="ov-").jobs if j.name == "ov-p"]
+        return [j for j in rig.slurm.jobs(name_prefix="ov-").jobs if j.name == "ov-p"]
 
     def serving() -> int:
-        return sum(1 for r in list_replicas(router.config.routing_bind) if r.pool == "p")
+        return len(rig.serving("p"))
 
     def auto() -> Any:
-        status = read_status(tmp_path)
+        status = read_status(rig.state_dir)
         return status.pools[0].autoscale if status is not None else None
 
     def decisions(direction: str) -> float:
@@ -382,7 +345,9 @@ def test_an_admins_scale_override_wins_over_the_autoscaler_until_reset(
     assert (decisions("override"), decisions("down")) == (2, 2)
     back = hpcserve("status", "--config", str(path))
     assert "1..3, target 1" in back and "last change: down 2->1: " in back, back
-    history = [m for r in caplog.records if (m := r.getMessage()).startswith("pool p: autoscale ")]
+    history = [
+        m for r in rig.caplog.records if (m := r.getMessage()).startswith("pool p: autoscale ")
+    ]
     changes = [line.removeprefix("pool p: autoscale ").split(":")[0] for line in history]
     assert changes == ["override 1->3", "override 3->3", "down 3->2", "down 2->1"], history
     assert "override reset: autoscaling resumes at 3" in history[1], history

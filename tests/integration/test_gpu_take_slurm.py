@@ -7,29 +7,20 @@ low's replicas for it while clients keep using low through the real gateway and 
 
 from __future__ import annotations
 
-import logging
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
 
 import msgspec
 import openai
 import pytest
-from starlette.testclient import TestClient
 
-from hpcserve.config import ApiKey, GatewayConfig, hash_api_key, parse_config
-from hpcserve.contracts.engine_token import read_token
-from hpcserve.contracts.router_client import list_replicas
-from hpcserve.gateway.app import Gateway, build_app
-from hpcserve.localslurm import LocalSlurm
+from hpcserve.config import parse_config
 from hpcserve.poolmgr.manager import PoolManager
 from hpcserve.poolmgr.state_files import read_status
-from hpcserve.router.server import RouterServer
 from hpcserve.slurm.client import SlurmCLI
 from hpcserve.slurm.parse import JobState, SlurmJob
-from tests.integration.slurm_helpers import cluster_config, wait_for
+from tests.integration.pool_rig import PoolRig, poll_until
+from tests.integration.slurm_helpers import wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -44,15 +35,8 @@ def jobs_of(slurm: SlurmCLI, name: str) -> list[SlurmJob]:
     return [j for j in slurm.jobs(name_prefix=name).jobs if j.name == name]
 
 
-def test_a_waiting_pool_of_higher_priority_takes_a_replica_through_drain(
-    cluster: LocalSlurm,
-    slurm: SlurmCLI,
-    router: RouterServer,
-    tmp_path: Path,
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    caplog.set_level(logging.INFO, "hpcserve.poolmgr")
-    base = msgspec.to_builtins(cluster_config(cluster, router, tmp_path, "gt", SIM))
+def test_a_waiting_pool_of_higher_priority_takes_a_replica_through_drain(rig: PoolRig) -> None:
+    base = msgspec.to_builtins(rig.config("gt", SIM))
     base["poolmgr"]["take_gpus_after_s"] = 1
     base["pools"] = [
         {"name": "low", "replicas": 2, "priority": 0, **SIM,
@@ -61,26 +45,8 @@ def test_a_waiting_pool_of_higher_priority_takes_a_replica_through_drain(
          "autoscale": {"min": 0, "max": 1, **SLOW}},
     ]  # fmt: skip
     config = parse_config(base)
-    manager = PoolManager(config, slurm)
-
-    def poll_until(what: str, condition: Callable[[], Any], timeout: float = 120) -> Any:
-        def step() -> Any:
-            manager.poll_once()
-            return condition()
-
-        return wait_for(what, step, timeout=timeout)
-
-    def serving(pool: str) -> list[int]:
-        replicas = list_replicas(router.config.routing_bind)
-        return [r.slurm_job_id for r in replicas if r.pool == pool]
-
-    poll_until("low serving on both nodes", lambda: len(serving("low")) == 2)
-    gateway = Gateway(
-        GatewayConfig(api_keys=[ApiKey(tenant="t", sha256=hash_api_key(KEY))]),
-        routing_endpoint=router.config.routing_bind,
-        configured_models={"low", "high"},
-        engine_token=read_token(config.engine_token_path()),
-    )
+    manager = PoolManager(config, rig.slurm)
+    poll_until(manager.poll_once, "low serving on both nodes", lambda: len(rig.serving("low")) == 2)
     stop = threading.Event()
     ok, errors = [0], []
 
@@ -92,10 +58,10 @@ def test_a_waiting_pool_of_higher_priority_takes_a_replica_through_drain(
             except Exception as err:  # every failure is recorded, and asserted on
                 errors.append(repr(err))
 
-    with TestClient(build_app(gateway)) as http, ThreadPoolExecutor(4) as pool:
-        client = openai.OpenAI(
-            base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
-        )
+    with (
+        rig.openai_client(config, KEY, {"low", "high"}) as client,
+        ThreadPoolExecutor(4) as pool,
+    ):
         try:
             for _ in range(4):
                 pool.submit(use_low, client)
@@ -104,21 +70,21 @@ def test_a_waiting_pool_of_higher_priority_takes_a_replica_through_drain(
             floor = {**base["pools"][1]["autoscale"], "min": 1}
             base["pools"][1] = {**base["pools"][1], "replicas": 1, "autoscale": floor}
             manager.config = parse_config(base)
-            poll_until("high's job pending for Resources", lambda: [
-                j for j in jobs_of(slurm, "gt-high")
+            poll_until(manager.poll_once, "high's job pending for Resources", lambda: [
+                j for j in jobs_of(rig.slurm, "gt-high")
                 if j.state is JobState.PENDING and j.state_reason == "Resources"])  # fmt: skip
-            poll_until("high serving", lambda: len(serving("high")) == 1)
+            poll_until(manager.poll_once, "high serving", lambda: len(rig.serving("high")) == 1)
             served = ok[0]
             wait_for("low still answering", lambda: ok[0] >= served + 10)
         finally:
             stop.set()
     assert errors == []
-    history = "\n".join(r.getMessage() for r in caplog.records)
-    low = jobs_of(slurm, "gt-low")
+    history = rig.history()
+    low = jobs_of(rig.slurm, "gt-low")
     ended = [j for j in low if not j.state.is_active]
     assert [j.state for j in ended] == [JobState.COMPLETED], history  # drained, not killed
     assert len([j for j in low if j.state is JobState.RUNNING]) == 1
-    status = read_status(tmp_path)
+    status = read_status(rig.state_dir)
     assert status is not None
     (low_status,) = [p for p in status.pools if p.pool == "low"]
     assert low_status.autoscale is not None

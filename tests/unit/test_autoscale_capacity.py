@@ -154,6 +154,10 @@ CFG = AutoscaleConfig(max=8, target_in_flight=4, scale_up_window_s=0, warm_spare
         (None, 0, 0, 25, 7),  # 25 at target_in_flight 4: 7
         (10, 0, 0, 25, 3),  # 25 at the modelled 10: 3
         (10, 5, 3, 25, 5),  # the engines queue at 5 running: 5 holds, 25 needs 5
+        # one or two waiting (max_waiting_per_replica, 2): a request between two engine
+        # steps or behind a prefill, not a queue; the model holds (before: 1 -> 25, max 8)
+        (10, 1, 1, 25, 3),
+        (10, 1, 2, 25, 3),
         (3, 5, 3, 25, 8),  # the model says 3, lower than what the engines run: 9, max 8
     ],
 )

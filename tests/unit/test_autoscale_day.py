@@ -11,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.autoscale_day import ColdStart, Hpa, Sample, arrivals, summarize
-from bench.autoscale_replay import rate
+from bench.autoscale_day import (
+    ColdStart,
+    Hpa,
+    Sample,
+    arrivals,
+    cold_start_figures,
+    summarize,
+    table_rows,
+)
+from bench.autoscale_replay import gpu_figures, rate
 from bench.workload import RequestResult
 from hpcserve.config import ConfigError, parse_config
 from hpcserve.poolmgr.launchers import LocalLauncher, queue_wait
@@ -82,6 +90,51 @@ def test_figures_per_policy() -> None:
     assert out["utilisation"] == pytest.approx(0.25)  # 1 of 2 x 2 slots
     first = out["series"][0]
     assert first["hour"] == 9.0 and first["holding"] == 2 and first["ttft_p95_s"] > 1.0
+    # the replay's arithmetic: replica-seconds of the day held, slot-seconds busy
+    day_s = 10 * 120
+    held, busy = gpu_figures(2 * day_s, 1 * day_s, slots=2).values()
+    assert (out["gpu_hours"], out["utilisation"]) == (pytest.approx(held), pytest.approx(busy))
+
+
+@pytest.mark.parametrize(
+    ("held_s", "busy_s", "slots", "gpus", "hours", "utilisation"),
+    [
+        (3600.0, 1800.0, 1, 1, 1.0, 0.5),  # one replica an hour, busy half of it
+        (7200.0, 14400.0, 4, 1, 2.0, 0.5),  # 2 of 4 slots busy on average
+        (7200.0, 14400.0, 4, 2, 4.0, 0.5),  # two GPUs a replica: twice the GPU-hours
+        (0.0, 0.0, 4, 1, 0.0, 0.0),  # nothing held
+    ],
+)
+def test_gpu_hours_and_utilisation_one_definition(
+    held_s: float, busy_s: float, slots: int, gpus: int, hours: float, utilisation: float
+) -> None:
+    out = gpu_figures(held_s, busy_s, slots, gpus)
+    assert out == {"gpu_hours": pytest.approx(hours), "utilisation": pytest.approx(utilisation)}
+
+
+def test_the_table_and_the_cold_starts_per_policy() -> None:
+    rows = [
+        {"policy": p, "gpu_hours": h, "slo_attainment": 0.99, "utilisation": 0.5, "changes": 0}
+        | {"ttft_p50_s": 0.1, "ttft_p95_s": None, "tpot_p50_s": 0.02, "tpot_p95_s": 0.03}
+        | {"failed": 0, "timed_out": 1}
+        for p, h in (("static-peak", 100.0), ("hpcserve", 40.0))
+    ]
+    table = table_rows(rows)
+    assert [r["vs static peak"] for r in table] == [1.0, 0.4]
+    assert rows[1]["gpu_hours_vs_static_peak"] == pytest.approx(0.4)
+    assert table[1]["TTFT p50 / p95 (s)"] == "0.1 / -" and table[1]["within SLO"] == "99.00%"
+    assert table[1]["TPOT p50 / p95 (ms)"] == "20 / 30"
+    assert cold_start_figures([], 60.0) == {"cold_starts": 0}
+    starts = [{"queue_s": q, "startup_s": s} for q, s in ((1.0, 10.0), (2.0, 12.0), (3.0, 20.0))]
+    assert cold_start_figures(starts, 60.0) == {
+        "cold_starts": 3,
+        "cold_start_day_s": {
+            "queue_median": 120,
+            "load_median": 720,
+            "total_median": 840,
+            "total_p90": 1380,
+        },
+    }
 
 
 def test_the_local_launcher_holds_a_job_for_its_queue_wait(tmp_path: Path) -> None:

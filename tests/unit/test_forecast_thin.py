@@ -113,3 +113,76 @@ def test_one_arrival_more_in_a_slice_barely_moves_the_forecast(rate: float, unit
         assert forecast is not None
         ahead.append(forecast)
     assert 0.0 <= ahead[1] - ahead[0] < 0.1 * rate, ahead
+
+
+@pytest.mark.parametrize(
+    ("rate", "unit"),
+    [
+        (2.0, 1.0),  # a real pool: 120 requests a minute
+        (0.05, 1.0),  # a rarely used model: 3 a minute
+        (2.5, 120.0),  # a compressed day at 120x: ~1 request per minute of the day
+        (5.0, 120.0),
+        (5.0, 30.0),
+    ],
+)
+def test_a_flat_quarter_hours_expected_peak_is_its_rate_whatever_each_request_counts(
+    rate: float, unit: float
+) -> None:
+    """A flat Poisson day learnt at `unit` (each request counted that many times): each
+    quarter hour's highest minute exceeds the rate by chance, by sqrt(unit) times more in a
+    rehearsal; the expected peak takes that away (before: a compressed day's flat quarter
+    hours read as peaks of 2.5 times their rate, and its forecast ordered for them)."""
+    from hpcserve.poolmgr.forecast import BINS, expected_peak
+
+    rng = random.Random(3)
+    f = Forecasts(None)
+    t = datetime.fromisoformat("2026-12-01 00:00").timestamp()
+    f.observe("chat", 0, t)
+    for _ in range(24 * 60 + 1):
+        t += 60
+        f.observe("chat", round(poisson(rng, rate * 60 / unit) * unit), t, unit)
+    profile = f.profile("chat")
+    assert profile is not None
+    peaks = sorted(p for b in range(BINS) if (p := expected_peak(profile, b)) is not None)
+    assert len(peaks) >= BINS - 1
+    median = peaks[len(peaks) // 2]
+    assert 0.9 * rate < median < 1.25 * rate, (median, rate)
+    assert profile.noise[time_bin_of(t - 1800)] == pytest.approx(math.sqrt(unit))
+
+
+def time_bin_of(at: float) -> int:
+    from hpcserve.poolmgr.forecast import time_bin
+
+    return time_bin(at)
+
+
+def test_a_profile_kept_before_the_noise_scale_reads_as_a_real_pools() -> None:
+    import msgspec
+
+    from hpcserve.poolmgr.forecast import BINS, Profile, expected_peak
+
+    old = msgspec.json.encode({"bins": [6.0] * BINS, "peaks": [9.0] * BINS})
+    profile = msgspec.json.decode(old, type=Profile)
+    # 360 requests a minute: the highest of 15 minutes exceeds it by ~1.74 standard deviations
+    assert expected_peak(profile, 0) == pytest.approx(9.0 - 1.74 * math.sqrt(6.0 / 60), rel=0.02)
+    profile.noise[0] = math.sqrt(120.0)  # learnt under a 120x rehearsal: mostly chance
+    assert expected_peak(profile, 0) == 6.0
+
+
+@pytest.mark.parametrize(
+    ("mean", "excess"),
+    [
+        # E[highest of 15 Poisson(mean)] - mean, by direct sum; the normal approximation,
+        # 1.74 sqrt(mean), falls ~0.3 short (more, relatively, on small counts)
+        (0.0, 0.0),
+        (0.1, 0.747),
+        (1.25, 2.232),
+        (5.0, 4.213),
+        (100.0, 17.731),
+        (1200.0, 60.5),
+    ],
+)
+def test_the_chance_excess_of_a_quarter_hours_highest_minute(mean: float, excess: float) -> None:
+    from hpcserve.poolmgr.forecast import poisson_max_excess
+
+    assert poisson_max_excess(mean) == pytest.approx(excess, abs=0.01 if mean < 1000 else 0.5)

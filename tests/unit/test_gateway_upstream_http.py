@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -130,6 +131,21 @@ def test_parser_keeps_headers_as_received_and_ends_a_close_delimited_body_at_eof
     unfinished = ResponseParser()
     unfinished.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nab")
     assert not unfinished.end_of_input()
+
+
+def test_a_complete_response_is_freed_by_reference_counting_alone() -> None:
+    """No reference cycle per request: the relay's answers do not feed the collector."""
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(100):
+            parser = ResponseParser()
+            parser.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            assert parser.complete and parser.take() == b"ok"
+            del parser
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(

@@ -159,3 +159,85 @@ def test_a_dropped_replica_takes_its_routed_blocks_along():
     assert index.slot("r1") == 0  # the slot is reused ...
     assert index.match(hashes) == {}  # ... without the blocks routed to r0
     assert len(index) == 0
+
+
+def _match_reference(holders: dict[int, int], hashes: list[int]) -> dict[int, int]:
+    """Slot -> matched depth, walking every block in Python (what match_slots computes)."""
+    depths: dict[int, int] = {}
+    alive = holders.get(hashes[0], 0) if hashes else 0
+    slot_bits = {s for s in range(alive.bit_length()) if alive >> s & 1}
+    depth = 0
+    for h in hashes:
+        mask = holders.get(h, 0)
+        for s in list(slot_bits):
+            if not mask >> s & 1:
+                depths[s] = depth
+                slot_bits.discard(s)
+        if not slot_bits:
+            break
+        depth += 1
+    for s in slot_bits:
+        depths[s] = depth
+    return depths
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 64, 70])  # 64 and up: masks wider than a word
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_walk_matches_the_reference_for_any_holders(replicas, seed):
+    import random
+
+    rng = random.Random(seed)
+    index = PrefixIndex()
+    prompts = [
+        prompt_block_hashes([rng.randrange(1000) for _ in range(40 * BS)], BS) for _ in range(3)
+    ]
+    for r in range(replicas):
+        slot = index.slot(f"r{r}")
+        prompt = prompts[rng.randrange(3)]
+        held = prompt[: rng.randrange(len(prompt) + 1)]
+        if rng.random() < 0.3 and held:  # a gap: an evicted block in the middle
+            held = held[: len(held) // 2] + held[len(held) // 2 + 1 :]
+        index.add_hashes(slot, held)
+    for prompt in prompts:
+        for cut in (0, 1, 7, len(prompt)):
+            asked = prompt[:cut]
+            slots, depths = index.match_slots(asked)
+            got = dict(zip(slots, depths, strict=True))
+            want = _match_reference(index._holders, asked)
+            assert got == {s: d for s, d in want.items() if d > 0}
+
+
+def test_routed_blocks_are_renewed_only_near_their_expiry():
+    from hpcserve.router.approx_index import RoutedPrefixes
+
+    index = PrefixIndex()
+    routed = RoutedPrefixes(index, ttl_s=80.0, max_blocks=1000)
+    hashes = prompt_block_hashes(list(range(4 * BS)), BS)
+    routed.routed("r0", hashes[:2], now=0.0)
+    recent = index.unconfirmed(index.slot("r0"))
+    assert list(recent.items()) == [(hashes[0], 80.0), (hashes[1], 80.0)]
+    # 5 s later (under 1/8 of the TTL): the two kept as they are, the new ones added at the end
+    routed.routed("r0", hashes, now=5.0)
+    assert list(recent.items()) == [
+        (hashes[0], 80.0), (hashes[1], 80.0), (hashes[2], 85.0), (hashes[3], 85.0)
+    ]  # fmt: skip
+    # 20 s later: more than 1/8 of the TTL gone, renewed in place
+    routed.routed("r0", hashes[:3], now=20.0)
+    assert list(recent.items()) == [
+        (hashes[0], 100.0), (hashes[1], 100.0), (hashes[2], 100.0), (hashes[3], 85.0)
+    ]  # fmt: skip
+    assert index.match(hashes) == {"r0": 4}
+    routed.expire(101.0)
+    assert index.match(hashes) == {}
+
+
+def test_noting_routed_blocks_keeps_a_single_holders_shared_bit_and_ors_others():
+    index = PrefixIndex()
+    a, b = index.slot("a"), index.slot("b")
+    hashes = prompt_block_hashes(list(range(3 * BS)), BS)
+    index.note_routed(a, hashes, 0, 10.0, 5.0)
+    bit_a = index._bits[a]
+    assert all(index._holders[h] is bit_a for h in hashes)
+    index.note_routed(b, hashes, 1, 10.0, 5.0)  # from the second block on
+    assert [index._holders[h] for h in hashes] == [1, 3, 3]
+    assert index.match(hashes) == {"a": 3}  # b lacks the first block: no match for it

@@ -151,7 +151,7 @@ def test_a_disagreeing_extension_is_refused(monkeypatch):
     ("stand_in", "message"),
     [
         ("None", "_blockhash \\(contracts/_blockhash.c\\) is not built: run `pip install -e .`"),
-        ("types.ModuleType('stale')", "stale build \\(API None, this code needs 2\\)"),
+        ("types.ModuleType('stale')", "stale build \\(API None, this code needs 3\\)"),
     ],
 )
 def test_a_missing_or_stale_extension_names_the_fix(stand_in, message):
