@@ -560,11 +560,11 @@ def settle(pids: list[int], limit_s: float = 10.0) -> None:
     client has gone: a slow rung's backlog would otherwise run on the proxies' core during
     the next target's run): at most one clock tick of CPU each (~5% of a core) over 0.2 s."""
     deadline = time.monotonic() + limit_s
+    tick = 1.5 / os.sysconf("SC_CLK_TCK")
     before = [cpu_seconds(pid) for pid in pids]
     while time.monotonic() < deadline:
         time.sleep(0.2)
         now = [cpu_seconds(pid) for pid in pids]
-        tick = 1.5 / os.sysconf("SC_CLK_TCK")
         if all(b - a < tick for a, b in zip(before, now, strict=True)):
             return
         before = now

@@ -150,8 +150,13 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
         raise OptionsError(
             f"--scheduling-policy: {args.scheduling_policy!r}; allowed: {', '.join(POLICIES)}"
         )
-    flags = ("max_num_seqs", "max_num_batched_tokens", "block_size", "default_max_tokens")
-    for flag in (*flags, "stream_interval"):
+    for flag in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "default_max_tokens",
+        "stream_interval",
+    ):
         if getattr(args, flag) < 1:
             name = "--" + flag.replace("_", "-")
             raise OptionsError(f"{name}: must be >= 1, got {getattr(args, flag)}")
