@@ -21,6 +21,13 @@ same requests at the same times:
   planner's roofline (`autoscale.capacity`), the forecast from its daily profile and the
   measured cold start.
 
+`--reactive-targets 3,2.5` runs the reactive loop once per HPA target, side by side, as
+"reactive (target 3)" and "reactive (target 2.5)": a lower target holds more replicas, so
+hpcserve can be compared with a reactive loop that spends the same GPU-hours.
+`--estimate-targets` prints, in seconds and without running anything, what the reactive
+loop spends at each target in the replay's model of the pool (bench/autoscale_replay.py's
+run_policy with this bench's Hpa), to pick such a target.
+
 The day: bench/autoscale_replay.py's profile (night floor, morning and afternoon humps,
 evening tail; peak/average ~3.8) with its two 10-minute 2x bursts (11:00, 16:30), Poisson
 arrivals at `--peak-rps` at the humps. Compressed `--speedup` times (60: a day in 24
@@ -62,6 +69,9 @@ arrivals, replicas holding GPUs and TTFT p95 per quarter hour of the day per pol
     .venv/bin/python bench/autoscale_day.py --plot docs/img/autoscale_day.png   # ~27 min
     .venv/bin/python bench/autoscale_day.py --quick   # 09:30-11:30 of the day, ~5 min
     .venv/bin/python bench/autoscale_day.py --seed 20   # another day: autoscale_day-seed20
+    .venv/bin/python bench/autoscale_day.py --estimate-targets 3,2.75,2.5   # seconds
+    # hpcserve against the reactive loop at two targets (results: autoscale_day-matched)
+    .venv/bin/python bench/autoscale_day.py --policies reactive,hpcserve --reactive-targets 3,2.5
 """
 
 from __future__ import annotations
@@ -98,9 +108,11 @@ import msgspec  # noqa: E402
 from bench.autoscale_replay import (  # noqa: E402
     BASE_EPOCH,
     DAY_S,
+    World,
     gpu_figures,
     print_table,
     rate,
+    run_policy,
 )
 from bench.results import load_average, write_results  # noqa: E402
 from bench.simfleet import tiny_model  # noqa: E402
@@ -133,7 +145,8 @@ def arrivals(
     rng = random.Random(seed)
     duration = (end_s - start_s) / speedup
     top = max(rate(start_s + i * 60.0, peak_rps) for i in range(int((end_s - start_s) / 60) + 1))
-    out, t = [], 0.0
+    out: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(top)
         if t >= duration:
@@ -202,6 +215,62 @@ class Hpa:
         return self.current
 
 
+@dataclass(frozen=True)
+class Policy:
+    """One stack's policy: its `kind` (one of POLICIES), its `label` (the result rows'
+    `policy`, the table's and the plot's name) and, for the reactive loop, its HPA target
+    per replica (running + waiting)."""
+
+    kind: str
+    label: str
+    hpa_target: float | None = None
+
+    @property
+    def slug(self) -> str:
+        """The stack's work directory: the label without spaces or brackets."""
+        if self.hpa_target is None or self.label == self.kind:
+            return self.kind
+        return f"{self.kind}-t{self.hpa_target:g}"
+
+
+def parse_targets(text: str) -> list[float]:
+    """`--reactive-targets`: comma-separated HPA targets per replica, each > 0, no repeats."""
+    try:
+        targets = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"not a list of numbers: {text!r}") from None
+    bad = [t for t in targets if not (t > 0 and math.isfinite(t))]
+    if bad:
+        raise ValueError(f"a target must be a number > 0, not {bad[0]:g}")
+    if len(set(targets)) != len(targets):
+        raise ValueError(f"a target given twice: {text!r}")
+    return targets
+
+
+def expand_policies(
+    names: list[str], reactive_targets: list[float], default_target: float
+) -> list[Policy]:
+    """The stacks to run, in --policies' order. Without --reactive-targets the reactive
+    loop runs once at `default_target` (0.75 x max_num_seqs) as "reactive"; with them,
+    "reactive" stands for one stack per target, "reactive (target T)", side by side."""
+    unknown = sorted(set(names) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a policy named twice: {','.join(names)}")
+    if reactive_targets and "reactive" not in names:
+        raise ValueError("--reactive-targets needs the reactive policy in --policies")
+    out: list[Policy] = []
+    for name in names:
+        if name != "reactive":
+            out.append(Policy(name, name))
+        elif not reactive_targets:
+            out.append(Policy(name, name, default_target))
+        else:
+            out += [Policy(name, f"{name} (target {t:g})", t) for t in reactive_targets]
+    return out
+
+
 # -- measuring (pure) ---------------------------------------------------------------------------
 
 
@@ -251,10 +320,10 @@ def summarize(
         return buckets.setdefault(k, {"arrivals": 0, "ttft": [], "holding": [], "serving": []})
 
     for r in results:
-        b = bucket(r.at_s)
-        b["arrivals"] += 1
+        at = bucket(r.at_s)
+        at["arrivals"] += 1
         if r.ok:
-            b["ttft"].append(r.ttft_s)
+            at["ttft"].append(r.ttft_s)
     for s in samples:
         bucket(s.t)["holding"].append(s.holding)
         bucket(s.t)["serving"].append(s.serving)
@@ -289,13 +358,18 @@ def summarize(
 
 @dataclass
 class Stack:
-    policy: str
+    spec: Policy
     work: Path
     config: PlatformConfig
     config_file: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     samples: list[Sample] = field(default_factory=list)
     changes: int = 0  # for the reactive loop: overrides written
+
+    @property
+    def policy(self) -> str:
+        """The policy's label (the result rows' `policy`)."""
+        return self.spec.label
 
     @property
     def base_url(self) -> str:
@@ -524,7 +598,12 @@ _METRIC = re.compile(r"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})? (\S+)$
 def engine_queue(url: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=2) as resp:
         text = resp.read().decode()
-    return sum(float(m.group(2)) for m in _METRIC.finditer(text))
+    return float(sum(float(m.group(2)) for m in _METRIC.finditer(text)))
+
+
+def default_hpa_target(args: argparse.Namespace) -> float:
+    """The reactive loop's target per replica unless --reactive-targets says otherwise."""
+    return 0.75 * float(args.max_num_seqs)
 
 
 def reactive_loop(
@@ -535,7 +614,7 @@ def reactive_loop(
     from hpcserve.poolmgr.state_files import write_override
 
     k = args.speedup
-    target = 0.75 * args.max_num_seqs
+    target = stack.spec.hpa_target or default_hpa_target(args)
     hpa = Hpa(target, 1, args.max_replicas, stack.config.pools[0].replicas)
     targets = Path(stack.config.poolmgr.scrape_targets_file)
     state = Path(stack.config.state_dir)
@@ -583,9 +662,9 @@ def stacks_running(
     stacks: list[Stack] = []
     try:
         for policy in args.policies:
-            sub = work / policy
+            sub = work / policy.slug
             (sub / "logs").mkdir(parents=True)
-            config = stack_config(policy, sub, model_dir, args, sizes, real_start)
+            config = stack_config(policy.kind, sub, model_dir, args, sizes, real_start)
             config_file = sub / "hpcserve.toml"
             config_file.write_text(dump_config(config))
             stack = Stack(policy, sub, load_config(config_file), config_file)
@@ -763,6 +842,57 @@ def sizes_for(args: argparse.Namespace) -> tuple[dict[str, int], dict[str, float
     }
 
 
+def estimate_reactive(
+    targets: list[float],
+    *,
+    seed: int,
+    peak_rps: float,
+    window_s: tuple[float, float],
+    cold: ColdStart,
+    slots: int,
+    service_s: float,
+    max_replicas: int,
+    dt: float = 0.25,
+) -> list[dict[str, Any]]:
+    """The reactive loop (this bench's Hpa, stepped every 30 s of the day on running +
+    waiting, min 1, max max_replicas) at each target, in the replay's model of a pool
+    (bench/autoscale_replay.run_policy: Poisson arrivals at the day's rate, a FIFO queue,
+    replicas of `slots` sequences busy `service_s` per request, the stated cold starts;
+    TTFT is the queue wait + 0.15 s): seconds of CPU instead of a run, to pick the target
+    that spends a given number of GPU-hours. Per target: GPU-hours of the window, requests
+    within TTFT 0.8 s, utilisation and scaling changes."""
+    import numpy as np
+
+    start_s, end_s = window_s
+    steps = round((end_s - start_s) / dt)
+    lam = np.array([rate(start_s + i * dt, peak_rps) * dt for i in range(steps)])
+    arrived = np.random.default_rng(seed).poisson(lam)
+    model = argparse.Namespace(slots=slots, service_s=service_s, dt=dt, prefill_s=0.15, poll_s=30.0)
+    out = []
+    for target in targets:
+        rng = random.Random(seed)  # the same cold starts for every target
+
+        def draw(r: random.Random = rng) -> tuple[float, float]:
+            return r.expovariate(1 / cold.queue_mean_s), r.uniform(cold.load_lo_s, cold.load_hi_s)
+
+        hpa = Hpa(target, 1, max_replicas, 1)
+
+        def reactive(world: World, now: float, hpa: Hpa = hpa) -> int:
+            return hpa.step(now, world.queued + world.in_service)
+
+        result = run_policy(reactive, arrived, draw, model, 1)
+        out.append(
+            {
+                "hpa_target": target,
+                "gpu_hours": result["gpu_hours"],
+                "ttft_attainment": result["slo_attainment"],
+                "utilisation": result["utilisation"],
+                "changes": result["changes"],
+            }
+        )
+    return out
+
+
 def policy_row(
     stack: Stack,
     results: list[RequestResult],
@@ -775,6 +905,7 @@ def policy_row(
     k = args.speedup
     row = {
         "policy": stack.policy,
+        **({} if stack.spec.hpa_target is None else {"hpa_target": stack.spec.hpa_target}),
         "replicas_at_start": start_size,
         **summarize(
             results,
@@ -789,7 +920,8 @@ def policy_row(
         "hpcserve": hpcserve_changes,
         "reactive": lambda s: s.changes,
     }
-    row["changes"] = changes.get(stack.policy, lambda s: 0)(stack)
+    count = changes.get(stack.spec.kind)
+    row["changes"] = count(stack) if count else 0
     row.update(cold_start_figures(realised_cold_starts(stack), k))
     return row
 
@@ -878,10 +1010,22 @@ def main() -> int:
     )
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument(
+        "--reactive-targets",
+        default="",
+        help="HPA targets per replica, e.g. 3,2.5: the reactive policy once per target, side "
+        "by side, as 'reactive (target T)' (default: once, 0.75 x --max-num-seqs, 'reactive')",
+    )
+    ap.add_argument(
         "--client-timeout-s",
         type=float,
         default=60.0,
         help="a client gives up on a request after this (real s; an hour of the day at 60x)",
+    )
+    ap.add_argument(
+        "--estimate-targets",
+        default="",
+        help="print the reactive loop's GPU-hours and TTFT attainment at these HPA targets in "
+        "the replay's model of the pool (seconds; nothing runs) and exit",
     )
     ap.add_argument("--seed", type=int, default=19)
     ap.add_argument("--name", default="")
@@ -891,13 +1035,21 @@ def main() -> int:
     if args.quick:  # the morning hump and the 11:00 burst
         args.start_h, args.end_h, args.startup_s = 9.5, 11.5, 60.0
     args.poll_s = args.poll_s or 60.0 / args.speedup
-    args.policies = [p for p in args.policies.split(",") if p]
-    unknown = set(args.policies) - set(POLICIES)
-    if unknown:
-        ap.error(f"--policies: unknown {', '.join(sorted(unknown))}; known: {', '.join(POLICIES)}")
-    name = args.name or "autoscale_day" + ("-quick" if args.quick else "") + (
-        f"-seed{args.seed}" if args.seed != 19 else ""
-    )
+    try:
+        args.reactive_targets = parse_targets(args.reactive_targets)
+    except ValueError as e:
+        ap.error(f"--reactive-targets: {e}")
+    try:
+        args.policies = expand_policies(
+            [p for p in args.policies.split(",") if p],
+            args.reactive_targets,
+            default_hpa_target(args),
+        )
+    except ValueError as e:
+        ap.error(f"--policies: {e}")
+    name = args.name or "autoscale_day" + ("-matched" if args.reactive_targets else "") + (
+        "-quick" if args.quick else ""
+    ) + (f"-seed{args.seed}" if args.seed != 19 else "")
     load_before = load_average()
     started = time.monotonic()
     cold = ColdStart(args.queue_wait_s, args.load_lo_s, args.load_hi_s)
@@ -905,6 +1057,34 @@ def main() -> int:
     if not args.max_replicas:  # room above peak sizing for a backlog, within this host's memory
         args.max_replicas = math.ceil(1.5 * sizes["static-peak"])
     start_s, end_s = args.start_h * 3600, args.end_h * 3600
+    if args.estimate_targets:
+        try:
+            targets = parse_targets(args.estimate_targets)
+        except ValueError as e:
+            ap.error(f"--estimate-targets: {e}")
+        estimates = estimate_reactive(
+            targets,
+            seed=args.seed,
+            peak_rps=args.peak_rps,
+            window_s=(start_s, end_s),
+            cold=cold,
+            slots=args.max_num_seqs,
+            service_s=rates["replica_in_flight"] / rates["replica_rps"],
+            max_replicas=args.max_replicas,
+        )
+        print_table(
+            [
+                {
+                    "HPA target": e["hpa_target"],
+                    "GPU-hours": round(e["gpu_hours"], 1),
+                    "TTFT <= 0.8 s": f"{e['ttft_attainment']:.2%}",
+                    "GPU utilisation": f"{e['utilisation']:.0%}",
+                    "scaling changes": e["changes"],
+                }
+                for e in estimates
+            ]
+        )
+        return 0
     times = arrivals(args.seed, args.peak_rps, start_s, end_s, args.speedup)
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="autoscale-day-"))
     if args.keep and work.exists():
@@ -935,7 +1115,7 @@ def main() -> int:
                     target=reactive_loop, args=(s, args, real_start, stop_event), daemon=True
                 )
                 for s in stacks
-                if s.policy == "reactive"
+                if s.spec.kind == "reactive"
             ]
             for t in threads:
                 t.start()
@@ -946,7 +1126,7 @@ def main() -> int:
             for s in stacks:
                 s.check()
             rows = [
-                policy_row(s, res, args, sizes[s.policy], start_s, end_s)
+                policy_row(s, res, args, sizes[s.spec.kind], start_s, end_s)
                 for s, res in zip(stacks, results, strict=True)
             ]
     finally:
@@ -983,6 +1163,7 @@ def main() -> int:
                 "load": [args.load_lo_s, args.load_hi_s],
             },
             "poll_s": args.poll_s,
+            "hpa_targets": {p.label: p.hpa_target for p in args.policies if p.hpa_target},
             "seed": args.seed,
             "load_average_before": load_before,
             "wall_s": round(time.monotonic() - started, 1),

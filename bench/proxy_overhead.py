@@ -15,9 +15,11 @@ Targets, interleaved, medians of ROUNDS:
             drops them): everything on
   + hints-cold  + prefix hints for KV-aware routing (2 replicas, so they count) with the prompt
             cache off: every prompt rendered with its chat template, tokenized and hashed
-  + hints   + the prompt cache on (gateway.prompt_cache_mb) and a short new last turn not
-            tokenized the first time (gateway.prompt_defer_chars): the default deployment,
-            every feature but tracing on
+  + hints-every  + hints as below, but every block's hash sent (gateway.prefix_hash_tokens
+            at one block: the Route before sampled hashes)
+  + hints   + the prompt cache on (gateway.prompt_cache_mb), a short new last turn not
+            tokenized the first time (gateway.prompt_defer_chars) and one hash per 64 tokens
+            (gateway.prefix_hash_tokens): the default deployment, every feature but tracing on
   sglang-router, vllm-router  the Rust routers' cache_aware policy, when `--rust-venv` names
             a virtual environment they are installed in (never the project's)
 Bodies (the default, `--bodies chat`): chat requests of 1k-4k tokens for a realistic
@@ -333,8 +335,8 @@ http {{
 # -- the feature ladder: the same gateway with features switched on one at a time ---------
 
 FEATURES = (
-    "relay", "auth", "quotas", "routing", "metrics", "audit", "usage", "hints-cold", "hints",
-    "tracing",
+    "relay", "auth", "quotas", "routing", "metrics", "audit", "usage", "hints-cold",
+    "hints-every", "hints", "tracing",
 )  # fmt: skip
 RUST_ROUTERS = ("sglang-router", "vllm-router")
 
@@ -462,17 +464,23 @@ def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str)
         if rung < FEATURES.index("metrics"):
             gateway.metrics = _NullMetrics()  # type: ignore[assignment]
         if rung >= FEATURES.index("hints-cold"):
-            from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
+            from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints, hash_stride
             from hpcserve.gateway.route_hints import register_cache_metrics
 
             hints = RouteHints()
             cache_bytes = 0 if feature == "hints-cold" else config.gateway.prompt_cache_mb << 20
+            stride = (
+                1
+                if feature == "hints-every"
+                else hash_stride(config.gateway.prefix_hash_tokens, BLOCK_SIZE)
+            )
             hints.add_model(
                 MODEL,
                 PromptTokenizer.from_dir(model_dir),
                 BLOCK_SIZE,
                 cache_bytes,
                 config.gateway.prompt_defer_chars,
+                stride,
             )
             gateway.route_hints = hints
             register_cache_metrics(gateway.metrics_registry, hints)

@@ -25,7 +25,8 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping
+from array import array
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,30 @@ def _message_key(message: Any, first: bool) -> tuple[Any, ...]:
     return ("j", first, _encode.encode(message))
 
 
+def hash_stride(every_tokens: int, block_size: int) -> int:
+    """Blocks per sampled hash for one hash per `every_tokens` prompt tokens (at least 1)."""
+    return max(1, every_tokens // block_size)
+
+
+def hash_fields(hashes: Sequence[int], block_size: int, stride: int) -> dict[str, Any]:
+    """Route's block-hash fields for a prompt's chain of full-block `hashes`: every one, or
+    with a stride k > 1 every k-th and the last (protocol.Route.hash_stride)."""
+    n = len(hashes)
+    if stride == 1 or n < 2:
+        every = hashes.tolist() if isinstance(hashes, array) else list(hashes)
+        return {"block_hashes": every, "block_size": block_size}
+    sampled = hashes[stride - 1 :: stride]
+    sent = sampled.tolist() if isinstance(sampled, array) else list(sampled)
+    if n % stride:
+        sent.append(hashes[-1])
+    return {
+        "block_hashes": sent,
+        "block_size": block_size,
+        "hash_stride": stride,
+        "hashed_blocks": n,
+    }
+
+
 class HintsPlan:
     """One request's hints: `result` when the cache held all of it, else `run()` renders,
     tokenizes and hashes the `work` characters it did not hold (safe on any thread)."""
@@ -215,10 +240,12 @@ class _ModelHints:
         block_size: int,
         cache_bytes: int,
         defer_chars: int = 0,
+        hash_stride: int = 1,
     ) -> None:
         self.name = name
         self.tokenizer = tokenizer
         self.block_size = block_size
+        self.hash_stride = hash_stride
         self.cache = PromptCache(block_size, cache_bytes)
         self.defer_chars = defer_chars if cache_bytes else 0
         self._seen_last: dict[int, None] = {}  # hashes of deferred last messages
@@ -239,14 +266,14 @@ class _ModelHints:
                 self.chunks = chunks
 
     def _result(self, node: Any, adapter: str) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "block_hashes": node.hashes.tolist(),
-            "block_size": self.block_size,
-            "prompt_tokens": node.n,
-        }
+        out = self.hash_fields(node.hashes)
+        out["prompt_tokens"] = node.n
         if adapter:
             out["adapter"] = adapter
         return out
+
+    def hash_fields(self, hashes: Sequence[int]) -> dict[str, Any]:
+        return hash_fields(hashes, self.block_size, self.hash_stride)
 
     # -- chat -------------------------------------------------------------------------
     def chat(
@@ -396,7 +423,7 @@ class _ModelHints:
                 len(whole),
                 final.n,
             )
-        out: dict[str, Any] = {"block_hashes": hashes, "block_size": self.block_size}
+        out = self.hash_fields(hashes)
         out["prompt_tokens"] = len(whole)
         if adapter:
             out["adapter"] = adapter
@@ -438,8 +465,7 @@ class _ModelHints:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             tokens = self.tokenizer.prompt_tokens(prompt)
-            hashes = prompt_block_hashes(tokens, self.block_size, adapter)
-            out = {"block_hashes": hashes, "block_size": self.block_size}
+            out = self.hash_fields(prompt_block_hashes(tokens, self.block_size, adapter))
             out["prompt_tokens"] = len(tokens)
             if adapter:
                 out["adapter"] = adapter
@@ -487,13 +513,19 @@ class RouteHints:
         block_size: int,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         defer_chars: int = 0,
+        hash_stride: int = 1,
     ) -> None:
         """cache_bytes: the model's prompt cache (0: none, every prompt tokenized whole).
         defer_chars: a chat's new last message of at most this many characters is not
-        tokenized the first time it is seen (`_ModelHints._first_sight`; 0: always is)."""
+        tokenized the first time it is seen (`_ModelHints._first_sight`; 0: always is).
+        hash_stride: send every this-many-th block's hash and the last (1: every one)."""
         if block_size <= 0:
             raise ValueError(f"block_size of {model!r} must be > 0, got {block_size}")
-        self._models[model] = _ModelHints(model, tokenizer, block_size, cache_bytes, defer_chars)
+        if hash_stride <= 0:
+            raise ValueError(f"hash_stride of {model!r} must be > 0, got {hash_stride}")
+        self._models[model] = _ModelHints(
+            model, tokenizer, block_size, cache_bytes, defer_chars, hash_stride
+        )
 
     def add_adapter(self, adapter: str, base_model: str) -> None:
         self._adapters[adapter] = base_model

@@ -156,6 +156,13 @@ class Route(msgspec.Struct, frozen=True, tag="route"):
     # The `model` each of `released` asked for, in the same order ("": not said); the
     # router counts requests in flight per LoRA adapter (router/adapters.py).
     released_models: list[str] = []
+    # Sampled prefix hashes (gateway.prefix_hash_tokens): with hash_stride k > 1,
+    # block_hashes holds the chained hash of every k-th full block (the k-th, 2k-th, ...)
+    # and, when the prompt's `hashed_blocks` full blocks are not a multiple of k, the last
+    # one's. The router then matches at that granularity: n leading hashes held mean
+    # min(n x k, hashed_blocks) blocks. 0: len(block_hashes) x hash_stride.
+    hash_stride: int = 1
+    hashed_blocks: int = 0
 
 
 # RouteReply.error when no replica's estimated queue wait is within Route.queue_budget_s.

@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 
 from hpcserve.config import PlatformConfig
 from hpcserve.contracts.engine_args import engine_block_size
-from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
+from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints, hash_stride
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,14 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
         except Exception as err:  # a bad tokenizer must not stop the gateway
             log.warning("pool %s: no prefix-aware routing (tokenizer: %s)", pool.name, err)
             continue
+        gateway = config.gateway
         hints.add_model(
-            pool.model, tokenizer, size, cache_bytes, config.gateway.prompt_defer_chars
+            pool.model,
+            tokenizer,
+            size,
+            cache_bytes,
+            gateway.prompt_defer_chars,
+            hash_stride(gateway.prefix_hash_tokens, size),
         )
         log.info("pool %s: prefix-aware routing with %d-token blocks", pool.name, size)
         if pool.max_loras:

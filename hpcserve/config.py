@@ -274,6 +274,12 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # Prefix hints only for a model the routing view lists at least this many replicas of:
     # with one there is no choice for them to change (1: always, e.g. to check the hashes).
     prefix_hints_min_replicas: Annotated[int, msgspec.Meta(ge=1)] = 2
+    # Prefix hints carry one block hash per this many prompt tokens (whole KV blocks, at
+    # least one: every 4th with vLLM's 16-token blocks, every one with 128) and the last
+    # full block's; the router matches prefixes at that granularity. A 2k-token prompt then
+    # sends 32 hashes rather than 128. Keep one value for a site's gateways: a router
+    # without KV events matches what it recorded at that stride.
+    prefix_hash_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
 
 
 class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

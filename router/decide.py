@@ -54,6 +54,11 @@ class RoutedTokens(Collector):
         yield cached
 
 
+# A Route's hash_stride is taken as at most this (a gateway's is at most 4,096, the most
+# gateway.prefix_hash_tokens allows): token counts stay far inside the int64 arrays.
+MAX_HASH_STRIDE = 4096
+
+
 class Decider:
     def __init__(
         self,
@@ -129,14 +134,19 @@ class Decider:
 
     # --- decisions ------------------------------------------------------------------
     def request_of(self, msg: p.Route, model: str) -> RouteRequest:
+        stride = min(max(1, msg.hash_stride), MAX_HASH_STRIDE)
+        sampled = len(msg.block_hashes) * stride  # at least the blocks the samples cover
+        hashed = min(msg.hashed_blocks, sampled) if msg.hashed_blocks > 0 else sampled
         return RouteRequest(
             model=model,
             block_hashes=msg.block_hashes,
             block_size=msg.block_size,
-            prompt_tokens=max(msg.prompt_tokens, len(msg.block_hashes) * msg.block_size),
+            prompt_tokens=max(msg.prompt_tokens, hashed * msg.block_size),
             adapter=msg.adapter,
             priority=msg.priority,
             session_key=msg.session_key,
+            hash_stride=stride,
+            hashed_blocks=hashed,
         )
 
     def cached_tokens(self, request: RouteRequest, table: ReplicaTable) -> Cached | None:
@@ -150,6 +160,7 @@ class Decider:
         tokens: list[int] = []
         by_slot, sizes, ids = self._by_slot, self.index.block_sizes, self.index.slot_ids
         model, block_size = request.model, request.block_size
+        stride, hashed = request.hash_stride, request.hashed_blocks
         for slot, depth in zip(slots, depths, strict=True):
             replica = by_slot[slot] if slot < len(by_slot) else None
             if replica is None or replica.replica_id != ids[slot]:
@@ -165,7 +176,7 @@ class Decider:
             if size and size != block_size:
                 continue  # hashes of another block size cannot match
             rows.append(replica.row)
-            tokens.append(depth * block_size)
+            tokens.append(min(depth * stride, hashed) * block_size)
         if not rows:
             return None
         return Cached(rows, tokens)
@@ -254,7 +265,7 @@ class Decider:
             if self._has_events(replica.replica_id):
                 self.subscriber.prompt_sent(replica.replica_id)  # type: ignore[union-attr]
                 if prefix and self.config.pending_ttl_s:
-                    held = cached.at(replica.row) // request.block_size if cached else 0
+                    held = _hashes_held(request, cached.at(replica.row)) if cached else 0
                     self._unrecorded.append(
                         (replica, request.block_hashes, now, self.config.pending_ttl_s, held)
                     )
@@ -263,3 +274,12 @@ class Decider:
         if sticky:
             self.sessions.remember(request.session_key, replica.replica_id, now)
         return replica
+
+
+def _hashes_held(request: RouteRequest, cached_tokens: int) -> int:
+    """How many of the request's leading block hashes `cached_tokens` (from cached_tokens)
+    stand for."""
+    blocks = cached_tokens // request.block_size
+    if blocks >= request.hashed_blocks:
+        return len(request.block_hashes)
+    return blocks // request.hash_stride

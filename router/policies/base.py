@@ -33,12 +33,20 @@ class RouteRequest:
     block_hashes: Sequence[int] = ()
     block_size: int = 0
     prompt_tokens: int = 0
+    # block_hashes samples every hash_stride-th of the prompt's hashed_blocks full blocks
+    # (protocol.Route.hash_stride): n leading hashes held are min(n x stride, hashed) blocks.
+    hash_stride: int = 1
+    hashed_blocks: int = 0
     adapter: str = ""
     priority: str = "interactive"
     session_key: str = ""
     # "prefill": the prefill step of a disaggregated request (policies/pd_roles.py); "": any
     # other pick.
     phase: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.hashed_blocks:
+            self.hashed_blocks = len(self.block_hashes) * self.hash_stride
 
 
 @dataclass

@@ -14,9 +14,13 @@ import pytest
 from bench.autoscale_day import (
     ColdStart,
     Hpa,
+    Policy,
     Sample,
     arrivals,
     cold_start_figures,
+    estimate_reactive,
+    expand_policies,
+    parse_targets,
     summarize,
     table_rows,
 )
@@ -67,6 +71,64 @@ def test_cold_start_draws_follow_the_stated_distribution() -> None:
 def test_the_reactive_policy_is_the_hpa(steps: list[tuple[float, float]], sizes: list[int]) -> None:
     hpa = Hpa(1.5, 1, 8, 1)
     assert [hpa.step(t, total) for t, total in steps] == sizes
+
+
+def test_the_reactive_policy_runs_once_per_target_side_by_side() -> None:
+    # Without --reactive-targets: one reactive stack at the default target, as before.
+    default = expand_policies(["static-peak", "reactive", "hpcserve"], [], 3.0)
+    assert default == [
+        Policy("static-peak", "static-peak"),
+        Policy("reactive", "reactive", 3.0),
+        Policy("hpcserve", "hpcserve"),
+    ]
+    assert [p.slug for p in default] == ["static-peak", "reactive", "hpcserve"]
+    # With them: "reactive" stands for one stack per target, in its place.
+    matched = expand_policies(["reactive", "hpcserve"], parse_targets("3, 2.5"), 3.0)
+    assert [(p.label, p.hpa_target) for p in matched] == [
+        ("reactive (target 3)", 3.0),
+        ("reactive (target 2.5)", 2.5),
+        ("hpcserve", None),
+    ]
+    assert [p.slug for p in matched] == ["reactive-t3", "reactive-t2.5", "hpcserve"]
+    assert {p.kind for p in matched} == {"reactive", "hpcserve"}
+
+
+@pytest.mark.parametrize(
+    ("names", "targets", "error"),
+    [
+        (["reactive", "keda"], "", "unknown keda"),
+        (["hpcserve", "hpcserve"], "", "named twice"),
+        (["hpcserve"], "2", "needs the reactive policy"),
+        (["reactive"], "3,x", "not a list of numbers"),
+        (["reactive"], "3,0", "must be a number > 0, not 0"),
+        (["reactive"], "3,3.0", "given twice"),
+    ],
+)
+def test_bad_policies_and_targets_are_refused(names: list[str], targets: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        expand_policies(names, parse_targets(targets), 3.0)
+
+
+def test_a_lower_hpa_target_buys_attainment_with_gpu_hours() -> None:
+    # The replay's model of the pool over the morning hump and the 11:00 burst: the same
+    # arrivals and cold starts for each target; a lower target holds more replicas.
+    out = estimate_reactive(
+        [3.0, 1.5],
+        seed=19,
+        peak_rps=2.5,
+        window_s=(9.5 * 3600, 11.5 * 3600),
+        cold=ColdStart(120.0, 600.0, 1200.0),
+        slots=4,
+        service_s=5.9,
+        max_replicas=12,
+        dt=1.0,
+    )
+    assert [e["hpa_target"] for e in out] == [3.0, 1.5]
+    default, tight = out
+    assert tight["gpu_hours"] > default["gpu_hours"] > 2.0  # more than one replica's 2 hours
+    assert tight["ttft_attainment"] >= default["ttft_attainment"]
+    assert 0 < tight["utilisation"] < default["utilisation"] <= 1
+    assert default["changes"] > 0
 
 
 def test_figures_per_policy() -> None:
