@@ -73,6 +73,7 @@ class ReplicaTable:
     # replica in a larger fleet: a 32-decision window cannot tell 2% shares apart.
     SHARE_WINDOW = 32
     SHARE_WINDOW_PER_REPLICA = 4
+    FEW_ROWS = 32  # up to this many rows, the load floor is found on Python floats
 
     def share_window(self) -> int:
         return max(self.SHARE_WINDOW, self.SHARE_WINDOW_PER_REPLICA * len(self.replicas))
@@ -85,8 +86,13 @@ class ReplicaTable:
         """The least load of any row (0 with no rows); kept with the number of rows at it
         between changes, rescanned only when the last row at it rose."""
         if self._floor is None:
-            self._floor = float(self.load.min()) if len(self.load) else 0.0
-            self._at_floor = int((self.load == self._floor).sum())
+            if len(self.load) <= self.FEW_ROWS:  # two numpy reductions cost more here
+                loads = self.load.tolist()
+                self._floor = float(min(loads)) if loads else 0.0
+                self._at_floor = loads.count(self._floor)
+            else:
+                self._floor = float(self.load.min())
+                self._at_floor = int((self.load == self._floor).sum())
         return self._floor
 
     def _set_load(self, row: int, new: float) -> None:
