@@ -4,9 +4,10 @@ with the tokenizers library's own thread pool on (its default, as the gateway ru
 
 The hint path as the gateway runs it for a request (gateway/app.py `prefix_hints`): decode
 the body, walk the prompt cache (`RouteHints.plan`), render and tokenize what it does not
-hold and hash the blocks (`HintsPlan.run`), encode the Route. The bodies are
-bench/proxy_overhead.py's (its 32k-entry byte-level BPE tokenizer, Llama-3 chat template,
-16 conversations of 1k-4k tokens over 4 system prompts); the cases:
+hold and hash the blocks (`HintsPlan.run`), encode the Route; all on the calling thread
+(the gateway hands more than 2,048 new characters to its thread pool: the same CPU). The
+bodies are bench/proxy_overhead.py's (its 32k-entry byte-level BPE tokenizer, Llama-3 chat
+template, 16 conversations of 1k-4k tokens over 4 system prompts); the cases:
 
 - repeat: a conversation sent before (everything cached);
 - new question: the last user turn is new (short: deferred, not tokenized);

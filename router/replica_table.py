@@ -14,6 +14,10 @@ import numpy as np
 if TYPE_CHECKING:
     from hpcserve.router.registry import Replica
 
+# Up to this many rows, work on a few rows is done row by row on Python numbers: a numpy call
+# on a few elements costs more than the arithmetic (bench/router_cost.py).
+FEW_ROWS = 32
+
 
 class ReplicaTable:
     def __init__(self) -> None:
@@ -73,7 +77,6 @@ class ReplicaTable:
     # replica in a larger fleet: a 32-decision window cannot tell 2% shares apart.
     SHARE_WINDOW = 32
     SHARE_WINDOW_PER_REPLICA = 4
-    FEW_ROWS = 32  # up to this many rows, the load floor is found on Python floats
 
     def share_window(self) -> int:
         return max(self.SHARE_WINDOW, self.SHARE_WINDOW_PER_REPLICA * len(self.replicas))
@@ -86,7 +89,7 @@ class ReplicaTable:
         """The least load of any row (0 with no rows); kept with the number of rows at it
         between changes, rescanned only when the last row at it rose."""
         if self._floor is None:
-            if len(self.load) <= self.FEW_ROWS:  # two numpy reductions cost more here
+            if len(self.load) <= FEW_ROWS:
                 loads = self.load.tolist()
                 self._floor = float(min(loads)) if loads else 0.0
                 self._at_floor = loads.count(self._floor)

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from hpcserve.router.registry import Replica
-from hpcserve.router.replica_table import ReplicaTable
+from hpcserve.router.replica_table import FEW_ROWS, ReplicaTable
 
 
 @dataclass
@@ -73,11 +73,6 @@ class Cached:
             if r == row:
                 return int(held)
         return 0
-
-
-# Up to this many rows, sparse work is done row by row on Python numbers: a numpy call on
-# a few elements costs more than the arithmetic (bench/router_cost.py).
-FEW_ROWS = 32
 
 
 @dataclass

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcserve.router.policies.base import FEW_ROWS, Cached, RouteContext, Sparse
+from hpcserve.router.policies.base import Cached, RouteContext, Sparse
+from hpcserve.router.replica_table import FEW_ROWS
 
 
 class NewPrefill:
