@@ -243,7 +243,6 @@ class Relay:
         response.raw_headers = response_headers
         return response
 
-
     async def call(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[int, bytes]:
         """POST body to url and read the whole answer: the gateway's own request to an engine
         (a disaggregated request's prefill step, gateway/disagg.py), reported to no exchange.
@@ -280,6 +279,7 @@ def error_event(message: str, *, code: str) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
+_DONE_EVENT = b"data: [DONE]\n\n"
 _ERROR_EVENT = b'data: {"error"'  # vLLM's error event in a stream (quotes inside text are \")
 
 
@@ -399,6 +399,7 @@ async def _relay_chunks(
     status = 200
     pending = b""  # an event not yet complete
     first = True
+    delivered = False  # the client has read the stream's last event, [DONE]
     latest: list[bytes] = []  # the last continuous usage seen, not yet decoded
     try:
         while chunk := first_chunk or await upstream.next_chunk():
@@ -415,6 +416,7 @@ async def _relay_chunks(
                 and _ERROR_EVENT not in chunk
             ):
                 yield chunk
+                delivered = chunk.endswith(_DONE_EVENT)
                 continue
             data = pending + chunk
             cut = data.rfind(b"\n\n")
@@ -428,6 +430,7 @@ async def _relay_chunks(
                 status = failed or status
             if block.strip():
                 yield block
+                delivered = block.endswith(_DONE_EVENT)
         if pending:
             yield pending
     except UpstreamTimeout:
@@ -436,7 +439,10 @@ async def _relay_chunks(
             f"The engine went silent mid-stream ({timeout_setting})", code="upstream_timeout"
         )
     except (GeneratorExit, asyncio.CancelledError):
-        status = 499  # the client went away
+        # The client went away; after [DONE] that is a client done reading before the
+        # engine closed its side: the answer was delivered whole.
+        if not delivered:
+            status = 499
         raise
     except UpstreamError as err:
         status = 502

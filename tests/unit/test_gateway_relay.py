@@ -268,3 +268,39 @@ def test_a_client_gone_mid_stream_closes_the_engine_connection() -> None:
             return exchange.events
 
     assert asyncio.run(scenario()) == ["first byte", ("done", 499)]
+
+
+def test_a_client_gone_after_done_but_before_the_engine_closed_got_the_whole_answer() -> None:
+    """A client (the openai SDK) stops reading at [DONE]; the engine may close its side a
+    moment later. Cut while the relay waits for that close, the answer was delivered whole:
+    200 in the accounting (metrics, audit, the deployment's counts), not 499."""
+    (event,) = events({"id": "c", "choices": [CHOICE]})
+    done = b"data: [DONE]\n\n"
+
+    async def slow_to_close(writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + b"%x\r\n%s\r\n" % (len(event), event))
+        writer.write(b"%x\r\n%s\r\n" % (len(done), done))
+        await writer.drain()
+        await asyncio.sleep(UNREACHED_S)  # no terminating chunk yet: the stream stays open
+
+    async def scenario() -> list[object]:
+        async with engine(slow_to_close) as url:
+            relay = Relay(upstream_timeout_s=UNREACHED_S)
+            exchange = Exchange()
+            response = await relay.forward(url, b"{}", {}, stream=True, exchange=exchange)
+            assert isinstance(response, StreamingResponse)
+            chunks = response.body_iterator
+            read = b""
+            while not read.endswith(done):  # the two events, in one chunk or two
+                read += await anext(chunks)  # type: ignore[call-overload]
+            assert read == event + done
+            waiting = asyncio.ensure_future(anext(chunks))  # type: ignore[call-overload]
+            await asyncio.sleep(0.05)  # the relay waits for the engine's next bytes
+            waiting.cancel()  # the client went away: Starlette cancels the response
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await chunks.aclose()  # type: ignore[attr-defined]
+            await relay.close()
+            return exchange.events
+
+    assert asyncio.run(scenario()) == ["first byte", ("done", 200)]
