@@ -5,6 +5,7 @@ engines are in tests/integration/test_pd_slurm.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router.server import RouterServer
 from tests.routers import loopback_router_config, running_router
+from tests.waiting import until
 
 KEY = "sk-pd"
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]]}
@@ -174,6 +176,9 @@ def test_prefill_then_decode_with_the_transfer_parameters_streamed_or_not(engine
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "ab"
         assert outcome(metrics, "transferred") == 2
         replicas = {r.replica_id: r for r in router.registry}
+        # Both replicas are released after each request (the router reads the Releases
+        # on its own thread).
+        asyncio.run(until("both replicas released", lambda: _idle(replicas, "pf", "d0")))
     for sent in prefill.bodies:
         assert sent["max_tokens"] == 1 and "stream" not in sent
         assert sent["kv_transfer_params"]["do_remote_decode"] is True
@@ -182,8 +187,10 @@ def test_prefill_then_decode_with_the_transfer_parameters_streamed_or_not(engine
     assert whole["kv_transfer_params"] == PARAMS and whole["max_tokens"] == 50
     assert streamed["kv_transfer_params"] == PARAMS and streamed["stream"] is True
     assert "kv_transfer_params" not in whole.get("stream_options", {})
-    # Both replicas were released after each request.
-    assert replicas["pf"].in_flight == 0 and replicas["d0"].in_flight == 0
+
+
+def _idle(replicas: dict[str, Any], *ids: str) -> bool:
+    return all(replicas[i].in_flight == 0 for i in ids)
 
 
 def test_a_failed_prefill_leaves_the_prompt_to_the_decode_replica(engines):
@@ -208,7 +215,7 @@ def test_a_stalled_prefill_is_abandoned_at_its_own_timeout(engines):
         assert outcome(metrics, "prefill_failed", "timeout") == 1
         assert outcome(metrics, "transferred") == 0
         replicas = {r.replica_id: r for r in router.registry}
-        assert replicas["pf"].in_flight == 0  # released when abandoned
+        asyncio.run(until("the abandoned prefill released", lambda: _idle(replicas, "pf")))
     assert len(prefill.bodies) == 1  # it got the prefill step, and never answered it
     [sent] = decode.bodies
     assert "kv_transfer_params" not in sent  # it computes the prompt itself
