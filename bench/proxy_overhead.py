@@ -20,6 +20,8 @@ Targets, interleaved, medians of ROUNDS:
   + hints   + the prompt cache on (gateway.prompt_cache_mb), a short new last turn not
             tokenized the first time (gateway.prompt_defer_chars) and one hash per 64 tokens
             (gateway.prefix_hash_tokens): the default deployment, every feature but tracing on
+  + embedded  + hints as above, with the router in the gateway's process (gateway.embed_router:
+            a Route is a call, no router process; the gateway's CPU includes the router's)
   sglang-router, vllm-router  the Rust routers' cache_aware policy, when `--rust-venv` names
             a virtual environment they are installed in (never the project's)
 Bodies (the default, `--bodies chat`): chat requests of 1k-4k tokens for a realistic
@@ -64,6 +66,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -336,7 +339,7 @@ http {{
 
 FEATURES = (
     "relay", "auth", "quotas", "routing", "metrics", "audit", "usage", "hints-cold",
-    "hints-every", "hints", "tracing",
+    "hints-every", "hints", "tracing", "embedded",
 )  # fmt: skip
 RUST_ROUTERS = ("sglang-router", "vllm-router")
 
@@ -443,7 +446,14 @@ def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str)
             def export(self, spans):  # type: ignore[no-untyped-def]
                 return SpanExportResult.SUCCESS
 
-        rung = FEATURES.index(feature)
+        # + embedded is + hints with the router in this process, not a rung above tracing.
+        rung = FEATURES.index("hints" if feature == "embedded" else feature)
+        routing = None
+        if feature == "embedded":
+            from hpcserve.cli import embedded_router
+            from hpcserve.gateway.embedded_router import EmbeddedRouting
+
+            routing = EmbeddedRouting(embedded_router(config))
         audit_log = str(Path(config_path).parent / f"audit-{feature}.log")
         gateway = Gateway(
             msgspec.structs.replace(
@@ -456,6 +466,7 @@ def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str)
                 ),
             ),
             routing_endpoint=config.router.gateways_dial(),
+            routing=routing,
             configured_models={MODEL},
             tracing=Tracing(exporter=DropSpans()) if rung >= FEATURES.index("tracing") else None,
         )
@@ -655,7 +666,7 @@ def main() -> None:
     else:
         chat, streamed = [CHAT_BODY], [CHAT_BODY[:-1] + b', "stream": true}']
     model_dir = ""
-    if any(f.startswith("hints") or f == "tracing" for f in only or FEATURES):
+    if any(f.startswith("hints") or f in ("tracing", "embedded") for f in only or FEATURES):
         started = time.monotonic()
         model_dir = str(bench_model_dir(Path(tempfile.gettempdir())))
         from hpcserve.contracts.prompt_tokens import PromptTokenizer
@@ -699,6 +710,7 @@ def main() -> None:
             args.router_core,
         )
         targets: dict[str, tuple[str, int]] = {"direct": (upstream, 0)}
+        embedded_router_cfg: dict[str, object] = {}
         for feature in FEATURES:
             if only and feature not in only:
                 continue
@@ -719,6 +731,15 @@ def main() -> None:
                     },
                 }
             )
+            if feature == "embedded":  # its own router, in the gateway's process
+                embedded_router_cfg = {
+                    **router_cfg,
+                    "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+                    "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+                }
+                cfg = msgspec.structs.replace(
+                    cfg, router=parse_config({**state, "router": embedded_router_cfg}).router
+                )
             path = work / f"gateway-{feature}.toml"
             path.write_text(dump_config(cfg))
             proc = spawn(
@@ -759,8 +780,12 @@ def main() -> None:
             wait_http(url + ("/v1/models" if feature == "relay" else "/health"), 60)
 
         # Two replicas (one upstream): prefix hints are skipped for a model with one.
+        registries = [router_cfg["registry_bind"]]
+        if "embedded" in targets:
+            registries.append(embedded_router_cfg["registry_bind"])
         agents = [
-            RegistryAgent(router_cfg["registry_bind"], p.Register(f"bench-{n}", MODEL, upstream))
+            RegistryAgent(registry, p.Register(f"bench-{n}", MODEL, upstream))
+            for registry in registries
             for n in ("a", "b")
         ]
         stop = threading.Event()
@@ -797,7 +822,8 @@ def main() -> None:
                         stream=case == "stream",
                         fresh=case != "repeat",
                     )
-                    gateway = name in FEATURES and name != "relay"
+                    # A gateway with a router process (+ embedded's is in its own).
+                    gateway = name in FEATURES and name not in ("relay", "embedded")
                     cpu_before = cpu_seconds(pid) if pid else 0.0
                     router_before = cpu_seconds(router.pid) if gateway else 0.0
                     r = run_wrk(base + "/v1/chat/completions", script, conns, args.seconds)
@@ -870,6 +896,20 @@ def main() -> None:
                 f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {routed} | {ratio} |"
             )
             rows.append({"case": key, "target": name, **m})
+    paired = paired_ratios(results)
+    if paired:
+        print(
+            "\nPaired: each round's ratio to the same round's plain relay (and fastest Rust "
+            "router), median over the rounds (the host's drift between rounds cancels)\n"
+            "\n| case | target | CPU / relay's | added p50 / relay's | req/s / relay's "
+            "| req/s / Rust router's |\n|---|---|---|---|---|---|"
+        )
+        for row in paired:
+            print(
+                f"| {row['case']} | {row['target']} | {row['cpu_vs_relay']:.2f}x | "
+                f"{row['added_p50_vs_relay']:.2f}x | {row['rps_vs_relay']:.2f}x | "
+                + (f"{row['rps_vs_rust']:.2f}x |" if "rps_vs_rust" in row else "- |")
+            )
     meta = {
         "rounds": args.rounds,
         "seconds": args.seconds,
@@ -881,7 +921,37 @@ def main() -> None:
         "load_before": load_before,
         "load_after": load_after,
     }
-    write_results("proxy_overhead", {"rows": rows}, meta)
+    write_results("proxy_overhead", {"rows": rows, "paired": paired}, meta)
+
+
+def paired_ratios(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dict[str, Any]]:
+    """Per case and target: the median over rounds of that round's ratio to the plain relay
+    (CPU, added p50, req/s) and to the Rust router with the most req/s in that round."""
+    out: list[dict[str, Any]] = []
+    for key, by_target in results.items():
+        relay, direct = by_target.get("relay"), by_target.get("direct")
+        if not relay or not direct:
+            continue
+        rust = [by_target[name] for name in RUST_ROUTERS if name in by_target]
+        for name, runs in by_target.items():
+            if name in ("direct", "relay") or not all("cpu_us" in r for r in runs):
+                continue
+            rounds = list(zip(runs, relay, direct, strict=True))
+            row: dict[str, Any] = {
+                "case": key,
+                "target": name,
+                "cpu_vs_relay": statistics.median(r["cpu_us"] / q["cpu_us"] for r, q, _ in rounds),
+                "added_p50_vs_relay": statistics.median(
+                    (r["p50_ms"] - d["p50_ms"]) / (q["p50_ms"] - d["p50_ms"]) for r, q, d in rounds
+                ),
+                "rps_vs_relay": statistics.median(r["rps"] / q["rps"] for r, q, _ in rounds),
+            }
+            if rust and name not in RUST_ROUTERS:
+                row["rps_vs_rust"] = statistics.median(
+                    r["rps"] / max(x[i]["rps"] for x in rust) for i, r in enumerate(runs)
+                )
+            out.append(row)
+    return out
 
 
 if __name__ == "__main__":

@@ -99,8 +99,9 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark(
         "proxy_overhead",
         "Gateway overhead, feature by feature (plain relay, + auth, quotas, routing, metrics, "
-        "audit, tracing)",
-        "bench/proxy_overhead.py --rounds 1 --seconds 2",
+        "audit, prefix hints, the router in the gateway)",
+        "bench/proxy_overhead.py --rounds 1 --seconds 2 --cases chat,chat1,stream1 "
+        "--only relay,auth,quotas,routing,metrics,audit,hints,embedded",
         "proxy_overhead.json",
         timeout_s=180,
         needs=["wrk"],

@@ -40,9 +40,7 @@ def replica_list(
     return reply
 
 
-def list_models(
-    endpoint: str, timeout_s: float = 2.0, *, curve_dir: str = ""
-) -> list[p.ModelInfo]:
+def list_models(endpoint: str, timeout_s: float = 2.0, *, curve_dir: str = "") -> list[p.ModelInfo]:
     reply = _ask(endpoint, p.ListModels(next(_ids)), timeout_s, curve_dir)
     assert isinstance(reply, p.ModelList)
     return reply.models

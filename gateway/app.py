@@ -51,7 +51,7 @@ from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.responses import responses_routes
-from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
+from hpcserve.gateway.routing_client import RouterUnavailable, Routing, RoutingClient
 from hpcserve.gateway.usage_log import UsageLog
 from hpcserve.gateway.workers import LOCAL_HEADER, WorkerSet
 
@@ -92,6 +92,7 @@ class Gateway:
         *,
         routing_endpoint: str,
         routing_keys: ClientKeys | None = None,
+        routing: Routing | None = None,
         configured_models: set[str],
         metrics_registry: CollectorRegistry | None = None,
         relay: Relay | None = None,
@@ -103,7 +104,9 @@ class Gateway:
         """engine_token: the deployment's engine token (contracts/engine_token.py), which
         every request to an engine presents; engines refuse requests without it.
         metrics_token: what /metrics (tenant names and usage) asks for as a bearer token;
-        empty: /metrics is open (tests that build the app alone)."""
+        empty: /metrics is open (tests that build the app alone). routing: the router in this
+        process (gateway/embedded_router.py); by default a RoutingClient of
+        routing_endpoint."""
         self.config = config
         self.batch = batch
         self.configured_models = configured_models
@@ -114,7 +117,7 @@ class Gateway:
             admin_keys=config.admin_keys,
             on_failure=self._auth_failed,
         )
-        self.routing = RoutingClient(
+        self.routing: Routing = routing or RoutingClient(
             routing_endpoint,
             timeout_s=config.route_timeout_s,
             view_refresh_s=config.replica_view_s,

@@ -28,7 +28,7 @@ from hpcserve.contracts import protocol as p
 from hpcserve.contracts.rate_window import Window
 from hpcserve.gateway.auth import Tenant
 from hpcserve.gateway.errors import APIError
-from hpcserve.gateway.routing_client import RouterUnavailable, RoutingClient
+from hpcserve.gateway.routing_client import RouterUnavailable, Routing
 
 
 class _Counter(Protocol):
@@ -224,7 +224,7 @@ class QuotaGate:
 
 
 async def keep_quota_synced(
-    gate: QuotaGate, routing: RoutingClient, sender_id: str, interval_s: float, failures: _Counter
+    gate: QuotaGate, routing: Routing, sender_id: str, interval_s: float, failures: _Counter
 ) -> None:
     """Every `interval_s`, this process's usage to the router's quota book and every other
     process's totals back into `gate` (a gateway's, or the batch runner's); runs until

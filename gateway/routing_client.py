@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -56,6 +56,29 @@ _RESENDABLE = (p.Route, p.ListModels, p.ListReplicas)
 
 class RouterUnavailable(Exception):
     pass
+
+
+class Routing(Protocol):
+    """What the gateway asks of the router: RoutingClient (another process, over the
+    routing socket) or gateway/embedded_router.py EmbeddedRouting (this one)."""
+
+    endpoint: str
+    view: ReplicaView
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def route(
+        self,
+        model: str,
+        *,
+        priority: str = "interactive",
+        exclude: list[str] | None = None,
+        **hints: Any,
+    ) -> p.RouteReply: ...
+    def release(self, replica_id: str, model: str = "") -> None: ...
+    async def sync_quota(self, gateway_id: str, usage: list[p.TenantUsage]) -> p.QuotaTotals: ...
+    async def models(self) -> p.ModelList: ...
+    async def replicas(self) -> p.ReplicaList: ...
 
 
 class RoutingClient:

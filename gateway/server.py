@@ -6,6 +6,7 @@ import logging
 import os
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from hpcserve.contracts.private_files import private_dir
 from hpcserve.contracts.zmtp_curve import routing_client_keys
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.batch.service import BatchService
+from hpcserve.gateway.embedded_router import EmbeddableRouter, EmbeddedRouting
 from hpcserve.gateway.gc_tune import tune_gc
 from hpcserve.gateway.route_hints import register_cache_metrics, route_hints_for
 from hpcserve.gateway.workers import (
@@ -32,17 +34,35 @@ from hpcserve.gateway.workers import (
 log = logging.getLogger(__name__)
 
 
+# `gateway.embed_router`: config -> the router this process runs, bound (`hpcserve gateway`
+# passes hpcserve/cli.py's; the gateway does not import the router). Raises ConfigError.
+RouterFactory = Callable[[PlatformConfig], EmbeddableRouter]
+
+
 def build_gateway_app(  # type: ignore[no-untyped-def]
-    config: PlatformConfig, workers: WorkerSet | None = None
+    config: PlatformConfig,
+    workers: WorkerSet | None = None,
+    router_factory: RouterFactory | None = None,
 ):
     private_dir(config.state_dir)
     ensure_keys(config.router.curve_dir, config.state_dir)  # <state_dir>/curve's, if absent
+    routing = None
+    if config.gateway.embed_router and (workers is None or workers.index == 0):
+        if router_factory is None:
+            raise ConfigError("gateway.embed_router: no router to embed (run `hpcserve gateway`)")
+        # The other workers dial its routing socket, as they would `hpcserve router`'s.
+        routing = EmbeddedRouting(
+            router_factory(config),
+            view_refresh_s=config.gateway.replica_view_s,
+            view_max_age_s=config.gateway.replica_view_max_age_s,
+        )
     gateway = Gateway(
         msgspec.structs.replace(
             config.gateway, responses_dir=config.responses_dir(), usage_dir=config.usage_dir()
         ),
         routing_endpoint=config.router.gateways_dial(),
         routing_keys=routing_client_keys(config.router.curve_dir),
+        routing=routing,
         configured_models={pool.model for pool in config.pools},
         batch=BatchService(config.batch, Path(config.batch_dir())),
         engine_token=ensure_token(config.engine_token_path()),
@@ -118,12 +138,13 @@ def tls_settings(gateway: GatewayConfig) -> dict[str, Any]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
-def run_gateway(config: PlatformConfig) -> int:
+def run_gateway(config: PlatformConfig, router_factory: RouterFactory | None = None) -> int:
     """Serve until stopped: in this process, or with `gateway.workers` > 1 in that many
-    worker processes sharing the port (gateway/workers.py). Returns the exit status."""
+    worker processes sharing the port (gateway/workers.py). Returns the exit status.
+    router_factory: the router to embed (`gateway.embed_router`; in worker 0)."""
     workers = config.gateway.workers
     if workers <= 1:
-        _serve(config, None, [])
+        _serve(config, None, [], router_factory)
         return 0
     tls_settings(config.gateway)  # a bad certificate is refused here, not by each worker
     # Made once here, not by every worker at the same moment (each would write its own).
@@ -131,10 +152,12 @@ def run_gateway(config: PlatformConfig) -> int:
     ensure_keys(config.router.curve_dir, config.state_dir)
     ensure_token(config.engine_token_path())
     ensure_token(config.metrics_token_path())
-    return run_workers(workers, config.gateway.host, config.gateway.port, _worker, (config,))
+    return run_workers(
+        workers, config.gateway.host, config.gateway.port, _worker, (config, router_factory)
+    )
 
 
-def _worker(config: PlatformConfig, index: int) -> None:
+def _worker(config: PlatformConfig, router_factory: RouterFactory | None, index: int) -> None:
     """One worker process (spawned): its own logging, its own SO_REUSEPORT socket, and its
     private socket where the others gather its metrics."""
     from hpcserve.logs import setup_logging
@@ -143,14 +166,19 @@ def _worker(config: PlatformConfig, index: int) -> None:
     gw = config.gateway
     addresses = [worker_address(config.state_dir, gw.host, gw.port, i) for i in range(gw.workers)]
     sockets = [reuseport_socket(gw.host, gw.port), private_socket(addresses[index])]
-    _serve(config, WorkerSet(index, addresses, tls=bool(gw.tls_cert)), sockets)
+    _serve(config, WorkerSet(index, addresses, tls=bool(gw.tls_cert)), sockets, router_factory)
 
 
-def _serve(config: PlatformConfig, workers: WorkerSet | None, sockets: list[socket.socket]) -> None:
+def _serve(
+    config: PlatformConfig,
+    workers: WorkerSet | None,
+    sockets: list[socket.socket],
+    router_factory: RouterFactory | None = None,
+) -> None:
     tls = tls_settings(config.gateway)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_gateway_app(config, workers),
+            build_gateway_app(config, workers, router_factory),
             host=config.gateway.host,
             port=config.gateway.port,
             loop="uvloop",

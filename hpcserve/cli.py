@@ -22,6 +22,8 @@ from hpcserve.contracts.engine_args import KV_TRANSFER_MAX_MB, KV_TRANSFER_TTL_S
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from hpcserve.router.server import RouterServer
+
 
 def _load(args: argparse.Namespace) -> PlatformConfig:
     return load_config(config_path(args.config))
@@ -40,26 +42,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     from prometheus_client import CollectorRegistry
 
     from hpcserve.contracts.curve import ensure_keys
-    from hpcserve.router.adapters import AdapterCatalog, AdapterRouter
-    from hpcserve.router.aliases import AliasCatalog, AliasRouter
-    from hpcserve.router.server import RouterServer
+    from hpcserve.router.server import router_for
 
     cfg = _load(args)
     registry = CollectorRegistry()
-    # LoRA adapters come from the model registry (router/adapters.py).
-    adapters = AdapterRouter(AdapterCatalog.from_registry(cfg.registry_path()))
-    # So do aliases and canary shares (router/aliases.py).
-    aliases = AliasRouter(
-        AliasCatalog.from_registry(cfg.registry_path(), refresh_s=cfg.router.alias_refresh_s)
-    )
-    server = RouterServer(
-        cfg.router,
-        metrics_registry=registry,
-        adapters=adapters,
-        aliases=aliases,
-        # A restart: running engines re-register within a lease; gateways wait, not fail.
-        restart_grace_s=cfg.router.lease_s,
-    )
+    server = router_for(cfg, registry)
     try:
         ensure_keys(cfg.router.curve_dir, cfg.state_dir)  # <state_dir>/curve's, if absent
         server.bind()
@@ -71,6 +58,23 @@ def cmd_router(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: server.stop())
     server.serve_forever()
     return 0
+
+
+def embedded_router(cfg: PlatformConfig) -> RouterServer:
+    """The router a gateway with `gateway.embed_router` runs in its process: what `hpcserve
+    router` runs, bound, with its /metrics on router.metrics_port. Raises ConfigError."""
+    from prometheus_client import CollectorRegistry
+
+    from hpcserve.router.server import router_for
+
+    registry = CollectorRegistry()
+    server = router_for(cfg, registry)
+    try:
+        server.bind()
+    except (RuntimeError, OSError) as err:  # a port in use, plain on a public address, keys
+        raise ConfigError(f"gateway.embed_router: the router cannot start: {err}") from None
+    _start_metrics(cfg.router.metrics_port, registry, cfg)
+    return server
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
@@ -87,7 +91,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         cfg = msgspec.structs.replace(
             cfg, gateway=msgspec.structs.replace(cfg.gateway, workers=args.workers)
         )
-    return run_gateway(cfg)
+    return run_gateway(cfg, embedded_router if cfg.gateway.embed_router else None)
 
 
 def cmd_batch_runner(args: argparse.Namespace) -> int:

@@ -280,6 +280,13 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # sends 32 hashes rather than 128. Keep one value for a site's gateways: a router
     # without KV events matches what it recorded at that stride.
     prefix_hash_tokens: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    # The router in the gateway's process (worker 0 with several workers; the others dial
+    # its routing socket as they would `hpcserve router`'s): one process, as the Rust routers
+    # are, so a decision is a call, not a round trip to another process (docs/benchmarks.md,
+    # "The router in the gateway"). `hpcserve router` is then not run; the router's sockets,
+    # CURVE keys and metrics port (router.*) are the same. For one gateway host: the
+    # router's work (engines' heartbeats, KV events) shares that worker's core.
+    embed_router: bool = False
 
 
 class SlurmConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):

@@ -43,6 +43,13 @@ from hpcserve.contracts.private_files import private_dir, private_opener, write_
 from hpcserve.localslurm import LocalSlurmSpec, pid_alive
 
 SERVICES = ("router", "gateway", "poolmgr", "batch-runner")
+
+
+def services(config: PlatformConfig) -> tuple[str, ...]:
+    """What `up` starts: every service, less the router where the gateway embeds it."""
+    return tuple(s for s in SERVICES if s != "router" or not config.gateway.embed_router)
+
+
 DEMO_MODEL = "tiny-chat"
 
 
@@ -150,7 +157,7 @@ class Stack:
         self._ensure_demo_model(config)
         if config.poolmgr.launcher == "slurm" and config.slurm.conf.startswith(str(self.state_dir)):
             self._start_local_slurm()
-        for service in SERVICES:
+        for service in services(config):
             self._start_service(service)
         try:
             self._wait_for_replica(config, timeout_s)
@@ -279,14 +286,16 @@ class Stack:
             "(a vLLM CPU engine takes ~1 min to load)"
         )
         while True:
-            for service in SERVICES:
+            for service in services(config):
                 if self._alive_pid(service) is None:
                     raise StackError(f"{service} exited; see {self.log_dir / (service + '.log')}")
             try:
                 live = {
-                    m.id for m in list_models(
+                    m.id
+                    for m in list_models(
                         config.router.gateways_dial(), 1.0, curve_dir=config.router.curve_dir
-                    ) if m.replicas > 0
+                    )
+                    if m.replicas > 0
                 }
             except RouterQueryError:
                 live = set()

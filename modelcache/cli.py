@@ -306,9 +306,7 @@ def cmd_models_alias(args: argparse.Namespace) -> int:
 def cmd_models_promote(args: argparse.Namespace) -> int:
     reason = _force_reason(args)
     with Registry(args.registry) as reg:
-        a = reg.promote_gated(
-            args.alias, args.ref, args.share, force_reason=reason, actor=_actor()
-        )
+        a = reg.promote_gated(args.alias, args.ref, args.share, force_reason=reason, actor=_actor())
         _report_forced(reg, a.name, reason)
     _name, target, canary = _alias_row(a)
     print(f"{a.name} -> {target}" + (f", canary {canary}" if canary else ""))

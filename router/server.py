@@ -14,7 +14,9 @@ and KV relay sockets admit the engine key, the routing socket the gateway key
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from zmq.auth.thread import ThreadAuthenticator
 
-from hpcserve.config import RouterConfig
+from hpcserve.config import PlatformConfig, RouterConfig
 from hpcserve.contracts import protocol as p
 from hpcserve.contracts.curve import (
     CurveError,
@@ -153,6 +155,23 @@ class _RefusedConnections(Collector):
         )
 
 
+def router_for(config: PlatformConfig, metrics_registry: CollectorRegistry) -> RouterServer:
+    """The router `hpcserve router` runs (and a gateway with `gateway.embed_router`): LoRA
+    adapters, aliases and canary shares from the model registry; after a restart, a lease's
+    grace while the running engines re-register (gateways wait, not fail). Not bound yet."""
+    return RouterServer(
+        config.router,
+        metrics_registry=metrics_registry,
+        adapters=AdapterRouter(AdapterCatalog.from_registry(config.registry_path())),
+        aliases=AliasRouter(
+            AliasCatalog.from_registry(
+                config.registry_path(), refresh_s=config.router.alias_refresh_s
+            )
+        ),
+        restart_grace_s=config.router.lease_s,
+    )
+
+
 class RouterServer:
     def __init__(
         self,
@@ -225,6 +244,15 @@ class RouterServer:
         self._routing_socket = routing_socket
         self._auth: ThreadAuthenticator | None = None
         self.ready = threading.Event()
+        # Held while the loop handles what a poll returned; a gateway that embeds this
+        # server (gateway/embedded_router.py) routes from its own thread under it.
+        self.lock = threading.Lock()
+        self._loop_thread = 0
+        # Registry-socket messages made on another thread (a LoRA load a Route asked for):
+        # the socket is this loop's alone, so they wait here and a byte on _wake says so.
+        self._registry_outbox: list[list[bytes]] = []
+        self._wake_read: socket.socket | None = None
+        self._wake: socket.socket | None = None
         self._published_models: set[str] = set()
         # What engines' agents dial to relay KV events (told in RegistryAck; "": none).
         self.kv_relay = ""
@@ -326,6 +354,22 @@ class RouterServer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._poke()
+
+    def _poke(self) -> None:
+        """Wake the loop from its poll (from another thread)."""
+        if self._wake is None:
+            return
+        with contextlib.suppress(OSError):  # a byte already waits, or the loop has ended
+            self._wake.send(b"x")
+
+    def _send_registry(self, frames: list[bytes]) -> None:
+        assert self._registry_sock is not None
+        if self._loop_thread in (0, threading.get_ident()):  # not serving, or this loop
+            self._registry_sock.send_multipart(frames, zmq.NOBLOCK)
+        else:
+            self._registry_outbox.append(frames)
+            self._poke()
 
     def serve_forever(self) -> None:
         if self._registry_sock is None:
@@ -340,38 +384,19 @@ class RouterServer:
         if relay is not None:
             poller.register(relay, zmq.POLLIN)
         tick_s = min(self.config.lease_s / 4, 0.5)
-        # Leases, KV-stream timers and gauges need not run on every message: at most this often.
-        housekeeping_s = min(tick_s, 0.05)
         next_housekeeping = 0.0
+        self._wake_read, self._wake = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._wake.setblocking(False)
+        poller.register(self._wake_read, zmq.POLLIN)
+        self._loop_thread = threading.get_ident()
         self.ready.set()
         try:
             while not self._stop.is_set():
                 replays = self.kv_events.replay_sockets()
                 events = dict(poller.poll(10 if replays else int(tick_s * 1000)))
-                if self.kv_events.sub in events:
-                    self.kv_events.drain()
-                if relay is not None and relay in events:
-                    self.kv_events.drain_relay()
-                for replay in replays:
-                    self.kv_events.on_replay(replay)
-                if self._registry_sock in events:
-                    self._drain(self._registry_sock, self._on_registry)
-                if self._routing is not None:
-                    self._serve_routing(self._routing, events)
-                elif self._routing_sock is not None and self._routing_sock in events:
-                    self._drain_routing(self._routing_sock)
-                now = self._clock()
-                if now >= next_housekeeping or replays:
-                    next_housekeeping = now + housekeeping_s
-                    self.kv_events.tick()
-                    self.decider.record_routed()
-                    self.decider.approx.expire(now)
-                    # Heartbeats that queued while this thread was not running (a paused
-                    # process) count before any lease is judged lapsed.
-                    self._drain(self._registry_sock, self._on_registry)
-                    for _ in self.registry.expire(now):
-                        self.metrics.lease_expiries.inc()
-                    self._publish_gauges()
+                with self.lock:
+                    next_housekeeping = self._handle(events, replays, next_housekeeping)
         finally:
             self._registry_sock.close(0)
             if self._routing is not None:
@@ -381,7 +406,50 @@ class RouterServer:
             self.kv_events.close()
             if self._auth is not None:
                 self._auth.stop()
+            self._wake_read.close()
+            self._wake.close()
+            self._wake = None
             log.info("router stopped")
+
+    def _handle(self, events: dict, replays: list, next_housekeeping: float) -> float:
+        """What one poll returned (with the lock held); the next housekeeping time."""
+        assert self._registry_sock is not None
+        relay = self.kv_events.relay
+        wake = self._wake_read
+        if wake is not None and wake in events:
+            with contextlib.suppress(OSError):  # BlockingIOError: all read
+                while wake.recv(4096):
+                    pass
+        if self._registry_outbox:
+            outbox, self._registry_outbox = self._registry_outbox, []
+            for frames in outbox:
+                self._registry_sock.send_multipart(frames, zmq.NOBLOCK)
+        if self.kv_events.sub in events:
+            self.kv_events.drain()
+        if relay is not None and relay in events:
+            self.kv_events.drain_relay()
+        for replay in replays:
+            self.kv_events.on_replay(replay)
+        if self._registry_sock in events:
+            self._drain(self._registry_sock, self._on_registry)
+        if self._routing is not None:
+            self._serve_routing(self._routing, events)
+        elif self._routing_sock is not None and self._routing_sock in events:
+            self._drain_routing(self._routing_sock)
+        now = self._clock()
+        if now >= next_housekeeping or replays:
+            # Leases, KV-stream timers and gauges: at most this often, not on every message.
+            next_housekeeping = now + min(self.config.lease_s / 4, 0.05)
+            self.kv_events.tick()
+            self.decider.record_routed()
+            self.decider.approx.expire(now)
+            # Heartbeats that queued while this thread was not running (a paused
+            # process) count before any lease is judged lapsed.
+            self._drain(self._registry_sock, self._on_registry)
+            for _ in self.registry.expire(now):
+                self.metrics.lease_expiries.inc()
+            self._publish_gauges()
+        return next_housekeeping
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[zmq.Socket, bytes, bytes], None]) -> None:
         # Handle everything queued now, but bounded so one busy socket cannot starve the other.
@@ -490,6 +558,12 @@ class RouterServer:
             self.metrics.bad_messages.labels("routing").inc()
             log.warning("undecodable routing message dropped: %s", err)
             return None
+        reply = self.handle(msg, peer)
+        return None if reply is None else p.encode(reply)
+
+    def handle(self, msg: p.RoutingMessage, peer: bytes = b"") -> p.RoutingReply | None:
+        """One gateway message, decoded; its reply (None: it has none). Called on this
+        server's loop, or with `lock` held by a gateway that embeds it."""
         reply: p.RoutingReply
         match msg:
             case p.Route():
@@ -532,7 +606,7 @@ class RouterServer:
             case p.ListHealthEvents():
                 events = self.health_log.since(msg.epoch, msg.ack_seq)
                 reply = p.HealthEvents(msg.request_id, self.health_log.epoch, events)
-        return p.encode(reply)
+        return reply
 
     def _set_topology(self, node_switches: dict[str, str]) -> None:
         if node_switches == self.node_switches:
@@ -626,9 +700,7 @@ class RouterServer:
                 lend_below=self.config.routing.batch_lend_below,
             )
             if decision.load is not None and self._registry_sock is not None:
-                self._registry_sock.send_multipart(
-                    [decision.peer, p.encode(decision.load)], zmq.NOBLOCK
-                )
+                self._send_registry([decision.peer, p.encode(decision.load)])
             if not decision.candidates:
                 return self._unserved(
                     msg.request_id, decision.error, asked, ref=self.adapters.base_of(msg.model)

@@ -22,7 +22,7 @@ from hpcserve.gateway.routing_client import RouterUnavailable
 if TYPE_CHECKING:
     from hpcserve.contracts.prompt_tokens import RouteHints
     from hpcserve.gateway.relay import Relay
-    from hpcserve.gateway.routing_client import RoutingClient
+    from hpcserve.gateway.routing_client import Routing
 
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
 CHAT = "/v1/chat/completions"
@@ -102,7 +102,7 @@ class RoutedExecutor:
 
     def __init__(
         self,
-        routing: RoutingClient,
+        routing: Routing,
         relay: Relay,
         *,
         route_hints: RouteHints | None,

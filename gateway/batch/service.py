@@ -20,7 +20,7 @@ from hpcserve.gateway.usage_log import UsageLog
 
 if TYPE_CHECKING:
     from hpcserve.gateway.app import Gateway
-    from hpcserve.gateway.routing_client import RoutingClient
+    from hpcserve.gateway.routing_client import Routing
 
 GATEWAY_LOCK_ROLE: dict[str, LockRole] = {
     "standby": "standby",
@@ -29,7 +29,7 @@ GATEWAY_LOCK_ROLE: dict[str, LockRole] = {
 }
 
 
-def loads_from(routing: RoutingClient) -> Callable[[], Awaitable[dict[str, ModelLoad]]]:
+def loads_from(routing: Routing) -> Callable[[], Awaitable[dict[str, ModelLoad]]]:
     """The runner's view of each model's replicas and queues, from the router."""
 
     async def loads() -> dict[str, ModelLoad]:

@@ -130,11 +130,27 @@ class Scorer(Protocol):
         ...
 
 
+class FewRowsScorer(Scorer, Protocol):
+    def cost_few(self, ctx: RouteContext) -> list[float] | float | Sparse:
+        """`cost` for a table of at most FEW_ROWS rows, a vector as Python floats from the
+        same operations in the same order (the same IEEE results), with no numpy call per
+        step: on a core whose caches went cold between requests, numpy's dispatch costs
+        several times the arithmetic."""
+        ...
+
+
 class Picker(Protocol):
     name: str
 
     def pick(self, ctx: RouteContext, total: np.ndarray, kept: np.ndarray | None) -> int | None:
         """The chosen row, or None when no row is kept."""
+        ...
+
+    def pick_few(
+        self, ctx: RouteContext, total: list[float], kept: np.ndarray | None
+    ) -> int | None:
+        """`pick` for a table of at most FEW_ROWS rows, the total as Python floats: the
+        same row `pick` chooses for the same total."""
         ...
 
 
@@ -152,13 +168,34 @@ class LowestCost:
         self._rng = rng or random.Random()
         self._np_rng = np.random.default_rng(self._rng.getrandbits(64))
         self._jitter: list[np.ndarray] = []
+        self._jitter_lists: list[list[float]] = []
         self._turn = 0
 
     def _noise(self, n: int) -> np.ndarray:
         if not self._jitter or len(self._jitter[0]) != n:
             self._jitter = [self._np_rng.random(n) * 1e-6 for _ in range(self.JITTERS)]
+            self._jitter_lists = [v.tolist() for v in self._jitter]
         self._turn = (self._turn + 1) % self.JITTERS
         return self._jitter[self._turn]
+
+    def pick_few(
+        self, ctx: RouteContext, total: list[float], kept: np.ndarray | None
+    ) -> int | None:
+        n = len(total)
+        if n == 0:
+            return None
+        self._noise(n)
+        noise = self._jitter_lists[self._turn]
+        keep = kept.tolist() if kept is not None else None
+        best: int | None = None
+        best_cost = 0.0
+        for row in range(n):
+            if keep is not None and not keep[row]:
+                continue
+            cost = total[row] + noise[row]
+            if best is None or cost < best_cost:  # the first of equal lowest, as argmin
+                best, best_cost = row, cost
+        return best
 
     def pick(self, ctx: RouteContext, total: np.ndarray, kept: np.ndarray | None) -> int | None:
         if len(total) == 0:
@@ -187,6 +224,11 @@ class RoundRobin:
                 self._next[ctx.request.model] = row + 1
                 return row
         return None
+
+    def pick_few(
+        self, ctx: RouteContext, total: list[float], kept: np.ndarray | None
+    ) -> int | None:
+        return self.pick(ctx, np.zeros(0), kept)
 
 
 @dataclass
@@ -264,10 +306,46 @@ class Policy:
                     total[np.asarray(cost.rows, np.intp)] += weight * np.asarray(cost.delta)
         return total, same_for_all
 
+    def _sum_few(self, ctx: RouteContext) -> list[float]:
+        """`_sum`'s vector (the part equal on every row left out) as Python floats, for a
+        table of at most FEW_ROWS rows: the same operations in the same order on each row,
+        so the same IEEE results (tests/unit/test_policy_few_rows.py)."""
+        n = len(ctx.table)
+        total: list[float] | None = None
+        sparse: list[tuple[float, Sparse]] = []
+        for w in self.scorers:
+            weight = w.weight
+            if not weight:
+                continue
+            few = getattr(w.scorer, "cost_few", None)
+            cost = few(ctx) if few is not None else w.scorer.cost(ctx)
+            if isinstance(cost, Sparse):
+                sparse.append((weight, cost))
+                cost = cost.base
+            if isinstance(cost, np.ndarray):
+                cost = cost.tolist()
+            if not isinstance(cost, list):
+                continue
+            if total is None:
+                total = [float(v) for v in cost] if weight == 1.0 else [v * weight for v in cost]
+            elif weight == 1.0:
+                total = [t + v for t, v in zip(total, cost, strict=True)]
+            else:
+                total = [t + weight * v for t, v in zip(total, cost, strict=True)]
+        if total is None:
+            total = [0.0] * n
+        for weight, cost in sparse:
+            for row, delta in zip(cost.rows, cost.delta, strict=True):
+                total[row] += weight * delta
+        return total
+
     def pick(self, ctx: RouteContext) -> Replica | None:
         kept = self.keep_mask(ctx)
-        total, _ = self._sum(ctx)
-        if total is None:
-            total = np.zeros(len(ctx.table))
-        row = self.picker.pick(ctx, total, kept)
+        if len(ctx.table) <= FEW_ROWS:
+            row = self.picker.pick_few(ctx, self._sum_few(ctx), kept)
+        else:
+            total, _ = self._sum(ctx)
+            if total is None:
+                total = np.zeros(len(ctx.table))
+            row = self.picker.pick(ctx, total, kept)
         return None if row is None else ctx.table.replicas[row]

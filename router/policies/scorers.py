@@ -118,6 +118,10 @@ class Load:
     def cost(self, ctx: RouteContext) -> np.ndarray:
         return ctx.load * self.tokens_per_request
 
+    def cost_few(self, ctx: RouteContext) -> list[float]:
+        per_request = self.tokens_per_request
+        return [load * per_request for load in ctx.table.load.tolist()]
+
 
 class KvPressure:
     name = "kv-pressure"
@@ -144,6 +148,34 @@ class KvPressure:
         elif cached is not None:
             rows = np.asarray(cached.rows, np.intp)
             cost[rows] -= fill[rows] * np.minimum(np.asarray(cached.tokens), prompt)
+        return cost
+
+    def cost_few(self, ctx: RouteContext) -> list[float]:
+        """`cost` row by row on Python floats (the same IEEE operations)."""
+        table = ctx.table
+        fill = table.kv_fill.tolist()
+        if self.capacity_tokens or table.kv_capacity_rows:
+            configured = self.capacity_tokens
+            capacities = table.kv_capacity.tolist()
+            for row, (capacity, active, held_tokens) in enumerate(
+                zip(
+                    capacities,
+                    table.active_tokens.tolist(),
+                    table.held_tokens.tolist(),
+                    strict=True,
+                )
+            ):
+                if configured and not capacity > 0:
+                    capacity = configured
+                held = max(float(active), held_tokens)
+                room = held / capacity if capacity > 0 else 0.0
+                fill[row] = min(max(fill[row], room), 1.0)
+        prompt = max(ctx.request.prompt_tokens, 0)
+        cost = [f * prompt for f in fill]
+        cached = ctx.cached_tokens
+        if cached is not None:
+            for row, held_tokens in zip(cached.rows, cached.tokens, strict=True):
+                cost[row] -= fill[row] * min(held_tokens, prompt)
         return cost
 
 
