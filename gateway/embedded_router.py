@@ -27,6 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 from hpcserve.contracts import protocol as p
 from hpcserve.gateway.replica_view import ReplicaView
+from hpcserve.gateway.routing_client import RouterUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -153,12 +154,21 @@ class EmbeddedRouting:
         server = self.server
         with server.lock:
             for route, future in batch:
-                reply = server.handle(route)
-                assert isinstance(reply, p.RouteReply)
+                try:
+                    reply = server.handle(route)
+                    assert isinstance(reply, p.RouteReply)
+                except Exception as err:  # a bug must cost this request a 503, not a hang
+                    log.exception("embedded router: Route for %s failed", route.model)
+                    if not future.done():
+                        future.set_exception(RouterUnavailable(f"embedded router: {err!r}"))
+                    continue
                 if not future.done():
                     future.set_result(reply)
-                elif reply.replica_id:  # its request gave up meanwhile: counted, so released
-                    server.handle(p.Release(reply.replica_id, route.model))
+                    continue
+                # Its request gave up meanwhile (client gone): counted, so released.
+                for replica_id in (reply.replica_id, reply.prefill_replica_id):
+                    if replica_id:
+                        server.handle(p.Release(replica_id, route.model))
 
     def release(self, replica_id: str, model: str = "") -> None:
         """A routed request finished (`model`: what it asked for; the router counts LoRA

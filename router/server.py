@@ -406,9 +406,9 @@ class RouterServer:
             self.kv_events.close()
             if self._auth is not None:
                 self._auth.stop()
+            wake, self._wake = self._wake, None  # no _poke writes to it from now on
+            wake.close()
             self._wake_read.close()
-            self._wake.close()
-            self._wake = None
             log.info("router stopped")
 
     def _handle(self, events: dict, replays: list, next_housekeeping: float) -> float:

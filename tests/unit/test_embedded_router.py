@@ -189,3 +189,33 @@ def test_a_router_thread_that_fails_stops_the_gateway_process() -> None:
         assert stopped.wait(10), "no SIGTERM after the router's thread failed"
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class RouterWithABug(FailingRouter):
+    """Serves, but its decision raises."""
+
+    def serve_forever(self) -> None:
+        self.ready.set()
+
+    def handle(self, msg: p.RoutingMessage, peer: bytes = b"") -> p.RoutingReply | None:
+        if isinstance(msg, p.Route):
+            raise KeyError("a bug")
+        return super().handle(msg, peer)
+
+
+def test_a_decision_that_raises_fails_its_request_and_no_other() -> None:
+    from hpcserve.gateway.routing_client import RouterUnavailable
+
+    routing = EmbeddedRouting(RouterWithABug())  # type: ignore[arg-type]
+
+    async def scenario() -> list[object]:
+        await routing.start()
+        try:
+            return await asyncio.gather(
+                routing.route("chat"), routing.route("chat"), return_exceptions=True
+            )
+        finally:
+            await routing.close()
+
+    outcomes = asyncio.run(scenario())
+    assert [type(o) for o in outcomes] == [RouterUnavailable, RouterUnavailable]
