@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from hpcserve.config import (
     ApiKey,
@@ -125,6 +126,28 @@ def sim_engine_argv(port: int, model: str, decode_ms: float, *extra: str) -> lis
         sys.executable, "-m", "hpcserve.sim.launch", "--port", str(port),
         "--served-model-name", model, "--decode-ms-per-token", str(decode_ms), *extra,
     ]  # fmt: skip
+
+
+@contextmanager
+def sim_engine(model: str, decode_ms: float = 1, *extra: str) -> Iterator[str]:
+    """A simulated engine serving `model` on a free loopback port; yields its URL once its
+    /health answers; always stopped."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with service(sim_engine_argv(port, model, decode_ms, *extra), url):
+        yield url
+
+
+def per_worker(text: str, name: str, **labels: str) -> dict[str, float]:
+    """In a gateway's /metrics `text`: the sample `name` with `labels`, summed by worker
+    (gateway.workers > 1 labels each worker's series)."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                worker = sample.labels["worker"]
+                out[worker] = out.get(worker, 0.0) + sample.value
+    return out
 
 
 def metrics_headers(config_path: object) -> dict[str, str]:

@@ -22,8 +22,8 @@ from tests.ports import free_port
 from tests.services import (
     gateway_argv,
     metrics_headers,
-    service,
-    sim_engine_argv,
+    per_worker,
+    sim_engine,
     stop,
     wait_healthy,
 )
@@ -35,21 +35,8 @@ MAX_REQUESTS = 80
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with service(sim_engine_argv(port, MODEL, 1), url):
+    with sim_engine(MODEL, 1) as url:
         yield url
-
-
-def per_worker(text: str, name: str, **labels: str) -> dict[str, float]:
-    """The sample `name` with `labels`, by worker (the workers' /metrics label each)."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                worker = sample.labels["worker"]
-                out[worker] = out.get(worker, 0.0) + sample.value
-    return out
 
 
 def routed_total(metrics_port: int, headers: dict[str, str]) -> float:

@@ -19,8 +19,7 @@ from hpcserve.config import ApiKey, GatewayConfig, TenantConfig, hash_api_key
 from hpcserve.contracts import protocol as p
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router.server import RouterServer
-from tests.ports import free_port
-from tests.services import service, sim_engine_argv
+from tests.services import sim_engine
 
 MODEL = "fuzz"
 KEY = "sk-fuzz"
@@ -114,9 +113,7 @@ bodies = st.fixed_dictionaries(
 
 @pytest.fixture(scope="module")
 def engine_url() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with service(sim_engine_argv(port, MODEL, 0.1, "--max-model-len", "256"), url):
+    with sim_engine(MODEL, 0.1, "--max-model-len", "256") as url:
         yield url
 
 

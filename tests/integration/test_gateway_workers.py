@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from hpcserve.config import dump_config, hash_api_key, parse_config
 from hpcserve.contracts import protocol as p
@@ -28,8 +27,8 @@ from tests.routers import (
 from tests.services import (
     gateway_argv,
     metrics_headers,
-    service,
-    sim_engine_argv,
+    per_worker,
+    sim_engine,
     stop,
     wait_healthy,
 )
@@ -42,9 +41,7 @@ LIMIT = 4
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with service(sim_engine_argv(port, MODEL, 1), url):
+    with sim_engine(MODEL, 1) as url:
         yield url
 
 
@@ -54,17 +51,6 @@ def worker_pids(supervisor: int) -> set[int]:
     return {
         int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
     }
-
-
-def per_worker(text: str, name: str, **labels: str) -> dict[str, float]:
-    """The sample `name` with `labels`, by worker."""
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                worker = sample.labels["worker"]
-                out[worker] = out.get(worker, 0.0) + sample.value
-    return out
 
 
 def test_two_workers_on_one_port_hold_a_tenants_limit_together(

@@ -13,7 +13,6 @@ from hpcserve.config import RouterConfig, hash_api_key
 from hpcserve.contracts import protocol as p
 from hpcserve.router.server import RouterServer
 from tests.integration.slurm_helpers import wait_for
-from tests.ports import free_port
 from tests.routers import (
     count_quota_reports_once_complete,
     loopback_router_config,
@@ -21,7 +20,7 @@ from tests.routers import (
     running_router,
     used_in_quota_book,
 )
-from tests.services import gateways, service, sim_engine_argv
+from tests.services import gateways, sim_engine
 
 MODEL = "tiny"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -30,9 +29,7 @@ KEY = "sk-free"
 
 @pytest.fixture
 def engine_url() -> Iterator[str]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with service(sim_engine_argv(port, MODEL, 1), url):
+    with sim_engine(MODEL, 1) as url:
         yield url
 
 
