@@ -428,10 +428,13 @@ def plain_relay_app(upstream: str):  # type: ignore[no-untyped-def]
     )
 
 
-def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str) -> None:
+def serve_gateway(
+    config_path: str, feature: str, upstream: str, model_dir: str, http: str = "one-send"
+) -> None:
     import uvicorn
 
     from hpcserve.config import load_config
+    from hpcserve.gateway.http_protocol import OneSendHttpProtocol
 
     config = load_config(Path(config_path))
     if feature == "relay":
@@ -504,7 +507,8 @@ def serve_gateway(config_path: str, feature: str, upstream: str, model_dir: str)
         host="127.0.0.1",
         port=config.gateway.port,
         loop="uvloop",
-        http="httptools",
+        # as gateway/server.py (one send per answer); the plain relay as uvicorn comes
+        http="httptools" if feature == "relay" or http == "httptools" else OneSendHttpProtocol,
         access_log=False,
         proxy_headers=False,  # as gateway/server.py
         log_level="warning",
@@ -630,9 +634,16 @@ def main() -> None:
         "gateway's figures are its and its router's on one core; 1 puts it beside wrk",
     )
     parser.add_argument(
+        "--gateway-http",
+        choices=("one-send", "httptools"),
+        default="one-send",
+        help="the gateways' HTTP protocol: one-send (the gateway's own, default: each answer "
+        "in one send) or httptools (uvicorn's: head and body in two sends), for an A/B",
+    )
+    parser.add_argument(
         "--serve-gateway",
-        nargs=4,
-        metavar=("CONFIG", "FEATURE", "UPSTREAM", "MODEL_DIR"),
+        nargs=5,
+        metavar=("CONFIG", "FEATURE", "UPSTREAM", "MODEL_DIR", "HTTP"),
         help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
@@ -744,7 +755,7 @@ def main() -> None:
             path.write_text(dump_config(cfg))
             proc = spawn(
                 [py, str(ROOT / "bench" / "proxy_overhead.py"), "--serve-gateway", str(path),
-                 feature, upstream, model_dir],
+                 feature, upstream, model_dir, args.gateway_http],
                 "0",
             )  # fmt: skip
             targets[feature] = (f"http://127.0.0.1:{port}", proc.pid)

@@ -155,7 +155,8 @@ DEFAULT_CACHE_BYTES = 64 << 20
 VERIFY_FIRST = 8
 VERIFY_EVERY = 1000
 _GENERATION = ("g",)  # the trie's piece for the generation prompt after the last message
-# Short new last messages seen (deferred once, see _ModelHints.chat), per model, at most.
+# Short new last messages remembered as seen (deferred once, see _ModelHints.chat), per
+# model: at most this many, at least the newest half of it.
 SEEN_LAST_MAX = 1 << 16
 # Tokens per character of a deferred message until the model's own ratio is known.
 _TOKENS_PER_CHAR = 0.25
@@ -248,7 +249,11 @@ class _ModelHints:
         self.hash_stride = hash_stride
         self.cache = PromptCache(block_size, cache_bytes)
         self.defer_chars = defer_chars if cache_bytes else 0
-        self._seen_last: dict[int, None] = {}  # hashes of deferred last messages
+        # Hashes of deferred last messages, in two generations: the newer one is retired
+        # whole when it holds SEEN_LAST_MAX / 2 (a dict's oldest key deleted one at a time
+        # leaves the dict a scan of its deleted slots to find the next oldest).
+        self._seen_last: set[int] = set()
+        self._seen_before: set[int] = set()
         self.boundaries = Boundaries(tokenizer.tokenizer, tokenizer.boundary_candidates())
         self.chunks: MessageChunks | None = None
         self.mismatches = 0
@@ -336,11 +341,11 @@ class _ModelHints:
             return False
         key = hash((message.get("role"), content, len(messages)))
         seen = self._seen_last
-        if key in seen:
+        if key in seen or key in self._seen_before:
             return False
-        seen[key] = None
-        if len(seen) > SEEN_LAST_MAX:
-            del seen[next(iter(seen))]
+        seen.add(key)
+        if len(seen) >= SEEN_LAST_MAX // 2:
+            self._seen_before, self._seen_last = seen, set()
         return True
 
     def _deferred(

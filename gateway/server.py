@@ -22,6 +22,7 @@ from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.gateway.batch.service import BatchService
 from hpcserve.gateway.embedded_router import EmbeddableRouter, EmbeddedRouting
 from hpcserve.gateway.gc_tune import tune_gc
+from hpcserve.gateway.http_protocol import OneSendHttpProtocol
 from hpcserve.gateway.route_hints import register_cache_metrics, route_hints_for
 from hpcserve.gateway.workers import (
     WorkerSet,
@@ -182,7 +183,7 @@ def _serve(
             host=config.gateway.host,
             port=config.gateway.port,
             loop="uvloop",
-            http="httptools",
+            http=OneSendHttpProtocol,  # httptools, each answer in one send
             lifespan="on",
             access_log=False,
             # X-Forwarded-For is not used: one ASGI layer less per request.

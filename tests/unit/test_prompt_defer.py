@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from hpcserve.config import ConfigError, parse_config
 from hpcserve.contracts.prefix_hash import prompt_block_hashes
+from hpcserve.contracts import prompt_tokens
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
 from hpcserve.gateway.route_hints import register_cache_metrics
 from hpcserve.tinymodels import make_tiny_model
@@ -85,6 +86,31 @@ def test_a_new_short_last_turn_is_deferred_then_exact_when_seen_again(
         {"role": "user", "content": "Thanks"},
     ]
     check_deferred(tokenizer, hints.hints("m", {"messages": third}, {}), third)
+
+
+def test_seen_last_messages_are_bounded_and_the_newest_half_always_remembered(
+    tokenizer: PromptTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(prompt_tokens, "SEEN_LAST_MAX", 8)
+    hints = deferring(tokenizer)
+    cache = hints.cache_stats()[0][1]
+
+    def deferred(question: list[dict[str, Any]]) -> bool:
+        before = cache.deferred_tokens
+        got = hints.hints("m", {"messages": question}, {})
+        if cache.deferred_tokens == before:
+            assert got == exact(tokenizer, question)
+            return False
+        check_deferred(tokenizer, got, question)
+        return True
+
+    questions = [ask(f"Field {i} of the bill?") for i in range(12)]
+    assert all(deferred(q) for q in questions)  # each new
+    # The newest SEEN_LAST_MAX / 2 are remembered: seen again, exact.
+    assert not any(deferred(q) for q in questions[-4:])
+    # The oldest were forgotten (at most SEEN_LAST_MAX kept): deferred again, then seen.
+    assert deferred(questions[0])
+    assert not deferred(questions[0])
 
 
 def test_long_last_messages_and_single_messages_are_never_deferred(

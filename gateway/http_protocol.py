@@ -1,0 +1,80 @@
+"""The gateway's HTTP/1.1 server protocol: uvicorn's httptools protocol, with each response's
+head held until its body's first bytes so that a whole answer leaves in one send.
+
+uvicorn writes a response's status line and headers to the socket when the app sends
+``http.response.start`` and the body when it sends ``http.response.body``: two sends, two
+TCP segments, for every answer, where the second follows the first a few microseconds
+later in the same event-loop iteration. On loopback and in a VM a send costs a kernel TCP
+path on both sides, a large share of a relayed request's CPU (docs/benchmarks.md). Here
+the head is held and written with the next write, or at the end of the loop iteration
+when none comes in it (a stream whose first event is still at the engine), so nothing is
+delayed past the iteration that produced it. Writes keep their order; closing the
+connection writes what is held first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, cast
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+# What uvicorn's head write starts with (its STATUS_LINE table); a body that happens to start
+# so is held the same way, still in order.
+_HEAD = b"HTTP/1.1 "
+
+
+class OneSendTransport:
+    """A connection's transport that holds a response head for the next write (see the module
+    docstring); everything else is the real transport's."""
+
+    __slots__ = ("_held", "_loop", "_real")
+
+    def __init__(self, real: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._real = real
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._real.writelines((held, data))
+        elif data[:9] == _HEAD:
+            self._held = bytes(data)
+            self._loop.call_soon(self._flush)
+        else:
+            self._real.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._real.is_closing():
+                self._real.write(held)
+
+    def writelines(self, chunks: Any) -> None:
+        self._flush()
+        self._real.writelines(chunks)
+
+    def close(self) -> None:
+        self._flush()
+        self._real.close()
+
+    def is_closing(self) -> bool:
+        return self._real.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._real.get_extra_info(name, default)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class OneSendHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol writing through a OneSendTransport (pass the class as
+    uvicorn.Config(http=...))."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        wrapped = OneSendTransport(cast(asyncio.Transport, transport), self.loop)
+        super().connection_made(cast(asyncio.Transport, wrapped))
