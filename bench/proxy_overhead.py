@@ -46,6 +46,7 @@ table.
     .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
         [--upstream nginx|python] [--only relay,tracing] [--bodies chat|small]
         [--cases chat1,chat,stream1,stream,repeat] [--rust-venv DIR] [--router-core 0]
+        [--gateway-http one-send|httptools]
 
 Needs wrk (Debian package `wrk`) and, by default, nginx (`nginx-light`). Prints a markdown
 table and writes bench/results/proxy_overhead.json.
