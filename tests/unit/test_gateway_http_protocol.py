@@ -123,12 +123,16 @@ def test_through_uvicorn_answers_streams_and_errors_are_whole() -> None:
     async def main() -> None:
         app.gate = asyncio.Event()  # type: ignore[attr-defined]
         port = free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app, host="127.0.0.1", port=port, http=OneSendHttpProtocol, lifespan="off",
-                log_config=None, access_log=False,
-            )  # fmt: skip
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            http=OneSendHttpProtocol,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
         )
+        server = uvicorn.Server(config)
         serving = asyncio.create_task(server.serve())
         while not server.started:
             await asyncio.sleep(0.01)

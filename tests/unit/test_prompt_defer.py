@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from hpcserve.config import ConfigError, parse_config
-from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.contracts import prompt_tokens
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
 from hpcserve.gateway.route_hints import register_cache_metrics
 from hpcserve.tinymodels import make_tiny_model
