@@ -40,7 +40,7 @@ class OneSendTransport:
         if held is not None:
             self._held = None
             self._real.writelines((held, data))
-        elif data[:9] == _HEAD:
+        elif data[: len(_HEAD)] == _HEAD:
             self._held = bytes(data)
             self._loop.call_soon(self._flush)
         else:
