@@ -79,6 +79,7 @@ from hpcserve.engine_launch.lora import RuntimeAdapters, read_plan, stage_adapte
 from hpcserve.engine_launch.process_tree import VllmTree, describe_pids
 from hpcserve.engine_launch.topology import TopologyError, replica_node_rank, topology_from_env
 from hpcserve.engine_launch.vllm_args import (
+    HTTP_FD_VARIABLE,
     EngineSpec,
     block_size,
     describe_env,
@@ -143,6 +144,16 @@ class EngineOptions:
     # (engine_launch/kv_janitor.py): pools[].kv_transfer_ttl_s and kv_transfer_max_mb.
     kv_transfer_ttl_s: float = KV_TRANSFER_TTL_S
     kv_transfer_max_mb: int = KV_TRANSFER_MAX_MB
+    # vLLM in a network namespace of its own (private_net.py): "auto" (where the kernel
+    # allows it), "required" or "off". A replica across nodes or with a NIXL side channel
+    # runs in the node's namespace whatever this says (other nodes must reach it).
+    private_network: str = "auto"
+
+
+PRIVATE_NETWORK_MODES = ("auto", "required", "off")
+# Connections the HTTP socket the engine makes for vLLM queues before vLLM accepts them
+# (uvicorn's default backlog).
+HTTP_BACKLOG = 2048
 
 
 class EngineFailed(RuntimeError):
@@ -241,6 +252,17 @@ class EngineRunner:
             self.spec = replace(
                 self.spec, nixl_host=advertise, nixl_port=self.reserve_port(options.bind_host)
             )
+        if options.private_network not in PRIVATE_NETWORK_MODES:
+            raise EngineFailed(
+                f"--private-network must be one of {', '.join(PRIVATE_NETWORK_MODES)}, "
+                f"got {options.private_network!r}"
+            )
+        if (
+            options.engine in ("vllm", "vllm-cpu")
+            and options.nnodes == 1
+            and self.kv_connector != NIXL_CONNECTOR
+        ):
+            self.spec = replace(self.spec, private_network=options.private_network)
         self._stop = threading.Event()
         self._stop_reason = ""
         self._rank_lost = ""
@@ -360,7 +382,14 @@ class EngineRunner:
         if self.process is not None:  # a restart: nothing of the last one may stay
             self.stop_vllm()
         self._serving = False
-        self.process = VllmTree(argv, env)
+        http = self._http_socket() if self.spec.private_network != "off" else None
+        try:
+            if http is not None:
+                env[HTTP_FD_VARIABLE] = str(http.fileno())
+            self.process = VllmTree(argv, env, pass_fds=() if http is None else (http.fileno(),))
+        finally:
+            if http is not None:
+                http.close()  # vLLM holds it now: its port is free again when vLLM exits
         log.info(
             "starting %s in session %d (its own process group): %s (environment: %s)",
             what,
@@ -369,12 +398,30 @@ class EngineRunner:
             describe_env(env),
         )
 
+    def _http_socket(self) -> socket.socket:
+        """vLLM's HTTP socket, bound and listening in the node's network namespace, as vLLM
+        would bind it (launcher.create_server_socket: SO_REUSEADDR); EngineFailed when the
+        port is taken (launch_vllm then picks another where it chose this one)."""
+        host = "" if self.spec.bind_host in ("0.0.0.0", "*") else self.spec.bind_host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, self.spec.port))
+            sock.listen(HTTP_BACKLOG)
+        except OSError as err:
+            sock.close()
+            raise EngineFailed(
+                f"cannot bind vLLM's HTTP port {host or '0.0.0.0'}:{self.spec.port}: {err.strerror}"
+            ) from None
+        return sock
+
     def launch_vllm(self) -> None:
         """Start vLLM and wait until it is ready; restart it on new ports when it exited
         because one it was to bind had been taken meanwhile (engine_ports.py)."""
         for retries_done in itertools.count():
-            self.start_vllm()
             try:
+                self.start_vllm()
                 self.wait_ready()
                 return
             except EngineFailed as err:
@@ -395,8 +442,8 @@ class EngineRunner:
     def ports_taken(self) -> list[EnginePort]:
         """The ports vLLM was to bind that another process holds (vLLM must have exited).
         A port still held after `port_grace_s` is not one of vLLM's exiting children's."""
-        if self.process is None or self.process.poll() is None:
-            return []
+        if self.process is not None and self.process.poll() is None:
+            return []  # vLLM is running: it holds them
         taken = engine_ports(self.spec, http_chosen=not self.options.port)
         deadline = time.monotonic() + self.port_grace_s
         while True:
@@ -428,9 +475,19 @@ class EngineRunner:
             try:
                 status, _ = _http_get(self.local_url + "/health", 2.0)
                 if status == 200:
+                    private = self._in_private_network()
                     log.info(
-                        "vLLM ready at %s after %.0fs", self.local_url, time.monotonic() - started
+                        "vLLM ready at %s after %.0fs%s",
+                        self.local_url,
+                        time.monotonic() - started,
+                        ", in a network namespace of its own" if private else "",
                     )
+                    if private is False:
+                        log.warning(
+                            "vLLM runs in the node's network namespace: the kernel refused it "
+                            "one of its own (the job output says why), so its workers' "
+                            "loopback listeners are open to the node's other users"
+                        )
                     self._serving = True
                     return
             except OSError:
@@ -445,6 +502,18 @@ class EngineRunner:
                 log.info("waiting for vLLM /health: %.0fs elapsed", now - started)
                 next_report = now + 10
             self._stop.wait(0.5)
+
+    def _in_private_network(self) -> bool | None:
+        """Whether vLLM got the network namespace asked for (`auto` runs it unshared where
+        the kernel refuses: private_net.py); None when none was asked for."""
+        if self.spec.private_network == "off" or self.process is None:
+            return None
+        try:
+            return os.readlink(f"/proc/{self.process.pid}/ns/net") != os.readlink(
+                "/proc/self/ns/net"
+            )
+        except OSError:
+            return None
 
     def read_load(self) -> p.ReplicaLoad | None:
         try:

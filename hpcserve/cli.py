@@ -190,6 +190,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         canary_record=args.canary_record,
         kv_transfer_ttl_s=args.kv_transfer_ttl_s,
         kv_transfer_max_mb=args.kv_transfer_max_mb,
+        private_network=args.private_network,
     )
     try:
         runner = EngineRunner(options)
@@ -485,6 +486,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("HPCSERVE_CANARY_RECORD", ""),
         help="the version's golden record (numerical canaries), checked before registering "
         "and periodically; it may appear later (default: $HPCSERVE_CANARY_RECORD; empty: none)",
+    )
+    p.add_argument(
+        "--private-network",
+        choices=["auto", "required", "off"],
+        default=os.environ.get("HPCSERVE_PRIVATE_NETWORK", "auto"),
+        help="vLLM in a network namespace of its own, its workers' listeners closed to the "
+        "node's other users: where the kernel allows it (auto), or not at all without it "
+        "(required) (default: $HPCSERVE_PRIVATE_NETWORK or auto)",
     )
     p.add_argument(
         "--role",

@@ -554,6 +554,11 @@ class EngineHostConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # The `hpcserve` the job runs; default: the pool manager's own (a shared-filesystem
     # venv); "hpcserve" (on PATH) inside a container image.
     hpcserve_bin: str = ""
+    # vLLM in a network namespace of its own, so no other user of the node reaches its
+    # workers' unauthenticated torch.distributed listeners (docs/security.md): "auto" where
+    # the kernel allows it (else one warning line), "required" (an engine refuses to start
+    # without it), "off". Replicas across nodes and NIXL pools run in the node's namespace.
+    private_network: Literal["auto", "required", "off"] = "auto"
 
 
 Price = Annotated[float, msgspec.Meta(ge=0, le=1e9)]

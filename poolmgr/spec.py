@@ -207,7 +207,11 @@ def build_job_spec(
                 pool.kv_transfer_dir,
             ),
         ),
-        env=_job_env(pool, model) + _health_env(config) + _curve_env(config) + _token_env(config),
+        env=_job_env(pool, model)
+        + _health_env(config)
+        + _curve_env(config)
+        + _token_env(config)
+        + _private_network_env(config),
         launch_prefix=tuple(config.pool_launch_prefix(pool)),
         modules=tuple(config.pool_modules(pool)),
     )
@@ -224,6 +228,12 @@ def _curve_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
     if not config.router.curve_dir:
         return ()
     return (("HPCSERVE_CURVE_DIR", config.router.curve_dir),)
+
+
+def _private_network_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:
+    """engine.private_network, read by `hpcserve engine --private-network`; none at auto."""
+    mode = config.engine.private_network
+    return () if mode == "auto" else (("HPCSERVE_PRIVATE_NETWORK", mode),)
 
 
 def _health_env(config: PlatformConfig) -> tuple[tuple[str, str], ...]:

@@ -19,6 +19,7 @@ from hpcserve.doctor.types import (
     ModelFacts,
     NodeFacts,
     NvmlFacts,
+    PrivateNetFacts,
     SlurmFacts,
     SlurmTimes,
     Status,
@@ -657,6 +658,39 @@ def check_models(models: list[ModelFacts], host: str = "control") -> list[CheckR
     return out
 
 
+def check_private_network(
+    config: PlatformConfig, facts: PrivateNetFacts | None, host: str
+) -> CheckResult:
+    mode = config.engine.private_network
+    if mode == "off":
+        return _result("private_network", "skip", "engine.private_network is off", host=host)
+    if facts is None:
+        return _result("private_network", "skip", "not gathered", host=host)
+    if facts.ok:
+        return _result(
+            "private_network",
+            "ok",
+            "vLLM gets a network namespace of its own: its workers' listeners are closed to "
+            "the node's other users",
+            host=host,
+        )
+    return _result(
+        "private_network",
+        "fail" if mode == "required" else "warn",
+        f"{facts.error}: "
+        + (
+            "engines will fail (engine.private_network = required)"
+            if mode == "required"
+            else "vLLM will run in the node's namespace, its workers' torch.distributed "
+            "listeners reachable by the node's other users"
+        ),
+        "allow the service account unprivileged user namespaces on the GPU nodes "
+        "(sysctl user.max_user_namespaces > 0; on Ubuntu, "
+        "kernel.apparmor_restrict_unprivileged_userns = 0); docs/deploy.md",
+        host,
+    )
+
+
 def node_results(
     config: PlatformConfig, node: NodeFacts, times: SlurmTimes | None, needed_bytes: int
 ) -> list[CheckResult]:
@@ -671,5 +705,6 @@ def node_results(
         check_nvml(config, node.nvml, host),
         check_vllm_import(node.vllm, host),
         check_vllm_cuda(config, node.vllm, node.nvml, host),
+        check_private_network(config, node.private_network, host),
         *check_models(node.models, host),
     ]

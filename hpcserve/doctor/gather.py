@@ -33,6 +33,7 @@ from hpcserve.doctor.types import (
     KeyFacts,
     ModelFacts,
     NvmlFacts,
+    PrivateNetFacts,
     SlurmFacts,
     SubmitProbe,
     VllmFacts,
@@ -494,6 +495,20 @@ def gather_vllm(python: str, timeout_s: float = VLLM_IMPORT_TIMEOUT_S) -> VllmFa
             return msgspec.convert({"python": python, **data}, VllmFacts)
     tail = " ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
     return VllmFacts(python, False, f"exit status {res.returncode}: {tail}")
+
+
+def gather_private_network(timeout_s: float = 30.0) -> PrivateNetFacts:
+    """Run `true` in a network namespace of its own, exactly as an engine runs vLLM."""
+    argv = [sys.executable, "-m", "hpcserve.engine_launch.private_net", "--required", "--", "true"]
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return PrivateNetFacts(False, f"cannot run {argv[0]}: {err}")
+    if res.returncode == 0:
+        return PrivateNetFacts(True)
+    lines = res.stderr.strip().splitlines()
+    why = lines[-1] if lines else f"exit status {res.returncode}"
+    return PrivateNetFacts(False, why.removeprefix("private network: "))
 
 
 # -- models --------------------------------------------------------------------------------

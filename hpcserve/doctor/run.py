@@ -21,6 +21,7 @@ from hpcserve.doctor.gather import (
     gather_keys,
     gather_model,
     gather_nvml,
+    gather_private_network,
     gather_slurm,
     gather_vllm,
     models_to_check,
@@ -69,6 +70,7 @@ def gather_node(request: NodeRequest, *, started_at: float) -> NodeFacts:
         keys=readable_files(request.key_paths),
         nvml=gather_nvml(fake_state_path(request.fake_nvml, node=here), request.health),
         vllm=gather_vllm(request.python),
+        private_network=gather_private_network(),
         models=[gather_model(m, digests=False, config=None) for m in request.models],
         finished_at=time.time(),
     )

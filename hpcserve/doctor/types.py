@@ -138,6 +138,14 @@ class VllmFacts(msgspec.Struct, frozen=True):
     device_count: int = 0
 
 
+class PrivateNetFacts(msgspec.Struct, frozen=True):
+    """Whether the account can give vLLM a network namespace of its own on the node
+    (engine_launch/private_net.py, run as engines run it), and the kernel's answer if not."""
+
+    ok: bool
+    error: str = ""
+
+
 class NodeFacts(msgspec.Struct, frozen=True):
     host: str
     slurm_job_id: int = 0
@@ -150,6 +158,7 @@ class NodeFacts(msgspec.Struct, frozen=True):
     nvml: NvmlFacts | None = None
     vllm: VllmFacts | None = None
     models: list[ModelFacts] = []  # sources read from the node (sizes, not digests)
+    private_network: PrivateNetFacts | None = None
 
 
 class SlurmTimes(msgspec.Struct, frozen=True):

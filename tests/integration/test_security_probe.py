@@ -244,12 +244,10 @@ def test_ps_scontrol_job_script_job_output_and_logs_hold_no_secret(
     token = read_token(config.engine_token_path())
     secrets = [token, *KEYS.values()]
     ps = run_as(["ps", "-eww", "-o", "user,pid,args"])
-    assert ps.returncode == 0 and "vllm.entrypoints.openai.api_server" in ps.stdout
-    vllm_pids = [
-        line.split()[1]
-        for line in ps.stdout.splitlines()
-        if "vllm.entrypoints.openai.api_server" in line
-    ]
+    # vLLM's API server, on the HTTP socket the engine made (engine_launch/vllm_api.py)
+    api_server = "hpcserve.engine_launch.vllm_api"
+    assert ps.returncode == 0 and api_server in ps.stdout
+    vllm_pids = [line.split()[1] for line in ps.stdout.splitlines() if api_server in line]
     # Environments are the owner's: the probe cannot read vLLM's (VLLM_API_KEY is there).
     for pid in vllm_pids:
         assert not readable_by_probe(f"/proc/{pid}/environ")

@@ -59,6 +59,8 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
              "--router", config.registry_bind, "--curve-dir", str(keys),
              "--bind-host", "127.0.0.1", "--advertise-host", "127.0.0.1",
              "--heartbeat-s", "1", "--drain-s", "1",
+             # two workers: their collectives go over the gloo listeners the test looks at
+             "--tensor-parallel", "2",
              "--", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024"],
             stdout=out, stderr=subprocess.STDOUT,
             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
@@ -167,21 +169,25 @@ def _socket_inodes(pids: set[int]) -> dict[int, int]:
     return held
 
 
-def _listening(inodes: dict[int, int]) -> tuple[list[str], list[tuple[int, int]]]:
+def _listening(
+    inodes: dict[int, int], netns_of: int | None = None
+) -> tuple[list[str], list[tuple[int, int]]]:
     """The listening unix socket paths ("@name" for abstract ones) and TCP (port, pid) of
-    the given socket inodes, from /proc/net/{unix,tcp,tcp6}."""
+    the given socket inodes, from /proc/net/{unix,tcp,tcp6}: those of this process's network
+    namespace, or of the namespace of the process `netns_of`."""
+    net = Path("/proc/net") if netns_of is None else Path(f"/proc/{netns_of}/net")
     unix = []
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+    for line in (net / "unix").read_text().splitlines()[1:]:
         fields = line.split()
         # Flags 00010000: accepting connections (listening).
         if len(fields) >= 8 and int(fields[6]) in inodes and int(fields[3], 16) & 0x10000:
             unix.append(fields[7])
     tcp = []
     for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+        for line in (net / table).read_text().splitlines()[1:]:
             fields = line.split()
-            if fields[3] == "0A" and int(fields[9]) in inodes:  # LISTEN
-                tcp.append((int(fields[1].rsplit(":", 1)[1], 16), inodes[int(fields[9])]))
+            if fields[3] == "0A" and (not inodes or int(fields[9]) in inodes):  # LISTEN
+                tcp.append((int(fields[1].rsplit(":", 1)[1], 16), inodes.get(int(fields[9]), 0)))
     return unix, tcp
 
 
@@ -201,14 +207,42 @@ print(json.dumps(out))
 """
 
 
+CONNECT_TCP_AS_PROBE = """
+import json, socket, sys
+out = {}
+for port in sys.argv[1:]:
+    try:
+        socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+        out[port] = "connected"
+    except OSError as err:
+        out[port] = type(err).__name__
+print(json.dumps(out))
+"""
+
+
+def _net_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
 def test_every_socket_vllm_listens_on_is_closed_to_another_user(running: Running) -> None:
     """vLLM's own ZeroMQ sockets between its API server, engine core and workers are ipc://
     paths; by default under /tmp, with the umask's mode. The engine puts them, and the
     KV-event ones, in its private directory (VLLM_RPC_BASE_PATH): the probe user can
-    connect to none. Over TCP, vLLM listens on its HTTP port (401 without the engine token,
-    test_security_probe.py) and torch.distributed's gloo listeners in the worker (loopback;
-    docs/security.md says what they are and why they stay)."""
-    unix, tcp = _listening(_socket_inodes(_tree(running.engine.pid)))
+    connect to none. Over TCP, the node sees vLLM listen on its HTTP port alone (401 without
+    the engine token, test_security_probe.py): torch.distributed's gloo listeners, which
+    have no authentication, are on the loopback of vLLM's own network namespace
+    (engine_launch/private_net.py), which no other user's process can reach."""
+    tree = _tree(running.engine.pid)
+    inodes = _socket_inodes(tree)
+    # vLLM's processes are in a network namespace the engine (and so the probe) is not in;
+    # the sockets they made are listed there
+    workers = [pid for pid in tree if _comm(pid).startswith("VLLM::Worker")]
+    assert len(workers) == 2, {pid: _comm(pid) for pid in tree}
+    assert len({_net_namespace(pid) for pid in workers}) == 1
+    assert _net_namespace(workers[0]) != _net_namespace(running.engine.pid)
+    assert re.search(r"vLLM ready at \S+ after \d+s, in a network namespace of its own",
+                     running.log.read_text())  # fmt: skip
+    unix, hidden = _listening(inodes, netns_of=workers[0])
     directory = running.kv_dir
     # The API server's, the engine core's and the worker's ZMQ sockets, events and replay.
     assert len(unix) >= 6, unix
@@ -216,11 +250,26 @@ def test_every_socket_vllm_listens_on_is_closed_to_another_user(running: Running
     run = run_python_as(CONNECT_UNIX_AS_PROBE, *unix)
     assert run.returncode == 0, run.stderr
     assert set(json.loads(run.stdout).values()) == {"PermissionError"}, run.stdout
+    # In the node's namespace, vLLM's one TCP listener is the HTTP socket the engine made
     http_port = int(running.url.rsplit(":", 1)[1])
-    assert http_port in {port for port, _ in tcp}
-    others = {pid for port, pid in tcp if port != http_port}
-    names = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in others}
-    assert names <= {"VLLM::Worker"}, names  # torch.distributed's (gloo), nothing else
+    _, tcp = _listening(inodes)
+    assert {port for port, _ in tcp} == {http_port}, tcp
+    # In vLLM's, the worker's gloo listeners: each refuses the probe (nothing listens on
+    # that port where the probe is; a port something of the node's own listens on is left
+    # out, as it is not vLLM's)
+    gloo = {port for port, pid in hidden if pid in workers}
+    assert gloo, hidden
+    node_ports = {port for port, _ in _listening({})[1]}
+    run = run_python_as(CONNECT_TCP_AS_PROBE, *map(str, sorted(gloo - node_ports)))
+    assert run.returncode == 0, run.stderr
+    assert set(json.loads(run.stdout).values()) <= {"ConnectionRefusedError"}, run.stdout
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 # A ZeroMQ peer as the probe user: connects (plain, or CURVE with a key pair of its own and

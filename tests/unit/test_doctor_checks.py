@@ -29,6 +29,7 @@ from hpcserve.doctor.types import (
     ModelFacts,
     NodeFacts,
     NvmlFacts,
+    PrivateNetFacts,
     SlurmFacts,
     SlurmTimes,
     SubmitProbe,
@@ -382,6 +383,34 @@ def test_vllm_import(vllm: VllmFacts, status: str, detail: str, fix: str) -> Non
     expect(checks.check_vllm_import(vllm, NODE), status, detail, fix)
 
 
+REFUSED = PrivateNetFacts(False, "cannot make a user and network namespace: No space left on device")
+
+
+@pytest.mark.parametrize(
+    ("mode", "facts", "status", "detail", "fix"),
+    [
+        ("auto", PrivateNetFacts(True), "ok", "a network namespace of its own", ""),
+        ("auto", REFUSED, "warn", "No space left on device: vLLM will run in the node's "
+         "namespace", "user.max_user_namespaces"),
+        ("required", REFUSED, "fail", "engines will fail (engine.private_network = required)",
+         "docs/deploy.md"),
+        ("off", REFUSED, "skip", "engine.private_network is off", ""),
+        ("auto", None, "skip", "not gathered", ""),
+    ],
+)  # fmt: skip
+def test_private_network(
+    mode: str, facts: PrivateNetFacts | None, status: str, detail: str, fix: str
+) -> None:
+    cfg = config(engine={"private_network": mode})
+    expect(checks.check_private_network(cfg, facts, NODE), status, detail, fix)
+
+
+def test_private_network_gathered_as_an_engine_runs_it() -> None:
+    from hpcserve.doctor.gather import gather_private_network
+
+    assert gather_private_network() == PrivateNetFacts(True)  # the suite's machine allows it
+
+
 @pytest.mark.parametrize(
     ("cfg", "vllm", "nvml", "status", "detail", "fix"),
     [
@@ -477,13 +506,13 @@ def test_node_results_cover_every_node_check() -> None:
                       clock=ClockFacts(True, 0.01, "adjtimex"),
                       cache=CacheFacts("/local/cache", True, True, "xfs", "/local", 900 * GIB),
                       endpoints=[EndpointFacts("router.registry_endpoint", "tcp://c:1", True)],
-                      nvml=GPUS, vllm=GPU_VLLM,
+                      nvml=GPUS, vllm=GPU_VLLM, private_network=PrivateNetFacts(True),
                       models=[ModelFacts("llm", "/m", ref="m@1", files=1, total_bytes=1)])  # fmt: skip
     cfg = config(GPU_POOL, engine={"cache_dir": "/local/cache"})
     results = checks.node_results(cfg, facts, SlurmTimes(1000, 1006), GIB)
     assert [r.check for r in results] == [
         "clock", "clock_skew", "cache_dir", "router_endpoint", "engine_keys", "nvml",
-        "vllm_import", "vllm_cuda", "models",
+        "vllm_import", "vllm_cuda", "private_network", "models",
     ]  # fmt: skip
     assert {r.host for r in results} == {"node n1"}
     assert [r.status for r in results if r.status != "ok"] == ["skip"]  # engine_keys: none

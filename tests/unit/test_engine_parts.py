@@ -277,3 +277,25 @@ def test_the_logged_environment_masks_secrets_and_leaves_the_rest_out():
         }
     )
     assert shown == "HF_TOKEN=*** VLLM_API_KEY=*** VLLM_CPU_KVCACHE_SPACE=1"
+
+
+@pytest.mark.parametrize(
+    ("mode", "prefix"),
+    [
+        ("auto", ["/py", "-m", "hpcserve.engine_launch.private_net", "--"]),
+        ("required", ["/py", "-m", "hpcserve.engine_launch.private_net", "--required", "--"]),
+    ],
+)
+def test_vllm_in_a_private_network_serves_on_the_engines_socket(mode, prefix):
+    argv = vllm_argv(spec(private_network=mode, extra_args=("--dtype", "float32")))
+    assert argv[: len(prefix)] == prefix
+    rest = argv[len(prefix) :]
+    assert rest[:3] == ["/py", "-m", "hpcserve.engine_launch.vllm_api"]
+    # the same arguments as vLLM's own module gets: --host/--port name the socket it is given
+    assert rest[3:] == vllm_argv(spec(extra_args=("--dtype", "float32")))[3:]
+    # loopback, the namespace's only interface, even where the job's environment names another
+    site = {"NCCL_SOCKET_IFNAME": "ib0", "VLLM_HOST_IP": "10.0.0.7"}
+    env = vllm_env(spec(private_network=mode), site)
+    assert (env["GLOO_SOCKET_IFNAME"], env["NCCL_SOCKET_IFNAME"]) == ("lo", "lo")
+    assert env["VLLM_HOST_IP"] == "127.0.0.1"
+    assert vllm_env(spec(), site) == vllm_env(spec(), {}) | site  # in the node's: untouched

@@ -189,3 +189,27 @@ def test_the_gateway_reads_the_versions_of_its_pools_at_zero_from_the_registry(
         assert wake_versions(config) == {"docs@1": "docs-v1", "docs@2": "v2"}
     (warned,) = [r.getMessage() for r in caplog.records]
     assert warned.startswith("pool gone: requests for its aliases and adapters are not held")
+
+
+def test_a_promote_reaches_the_gateway_without_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool whose model_ref is an alias follows a promote: a request for a version the
+    gateway's map does not know re-reads the registry (at most every WAKE_VERSIONS_REREAD_S)."""
+    from hpcserve.gateway import app as gateway_app
+    from hpcserve.gateway.server import build_gateway_app
+
+    path = alias_registry(tmp_path)
+    config = parse_config({"state_dir": str(tmp_path), "engine": {"cache_dir": "/cache"}, "pools": [
+        {"name": "ex", "model_ref": "extraction", "autoscale": {"min": 0, "max": 1}},
+    ]})  # fmt: skip
+    gateway = build_gateway_app(config).state.gateway
+    assert gateway.wake_versions == {"docs@1": "ex"}
+    with ModelRegistry(path) as registry:
+        registry.promote("extraction", "docs@2")
+    to_v2 = p.RouteReply(1, error="alias_no_replica", model_ref="docs@2")
+    # read at start moments ago: not again yet
+    assert gateway._waking_pool("extraction", to_v2) == ""
+    monkeypatch.setattr(gateway_app, "WAKE_VERSIONS_REREAD_S", 0.0)
+    assert gateway._waking_pool("extraction", to_v2) == "ex"
+    assert gateway.wake_versions == {"docs@2": "ex"}
