@@ -2,8 +2,9 @@
 the adapter's path, which events do not carry).
 
 A block's hash covers its tokens and, through the chain, every token before it; the chain
-starts from a seed derived from the LoRA adapter name ("" for the base model), so the same
-tokens under different adapters never match. The router computes these from the
+starts from a seed derived from the LoRA adapter name ("" for the base model) and the
+cache salt ("" for none; contracts/cache_salt.py), so the same tokens under different
+adapters or salts never match. The router computes these from the
 `token_ids` of vLLM's BlockStored events; the requester (the gateway) computes the same
 from the prompt's tokens: h_i = hash((h_{i-1}, tuple of block i's token ids)), a signed
 64-bit int.
@@ -40,8 +41,11 @@ HASH_MASK = (1 << 60) - 1
 
 
 @lru_cache(maxsize=4096)
-def chain_seed(adapter: str = "") -> int:
-    digest = hashlib.blake2b(b"hpcserve-prefix:" + adapter.encode(), digest_size=8).digest()
+def chain_seed(adapter: str = "", salt: str = "") -> int:
+    """The chain's start for the LoRA adapter `adapter` ("": the base model) and the cache
+    salt `salt` ("": none; contracts/cache_salt.py)."""
+    name = adapter.encode() + (b"\x00salt:" + salt.encode() if salt else b"")
+    digest = hashlib.blake2b(b"hpcserve-prefix:" + name, digest_size=8).digest()
     return int.from_bytes(digest, "big") & HASH_MASK
 
 
@@ -124,5 +128,7 @@ def _check_parity() -> None:
 _check_parity()
 
 
-def prompt_block_hashes(tokens: Sequence[int], block_size: int, adapter: str = "") -> list[int]:
-    return chain_hashes(tokens, block_size, chain_seed(adapter))
+def prompt_block_hashes(
+    tokens: Sequence[int], block_size: int, adapter: str = "", salt: str = ""
+) -> list[int]:
+    return chain_hashes(tokens, block_size, chain_seed(adapter, salt))

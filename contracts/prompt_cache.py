@@ -324,6 +324,11 @@ class _Node:
 _NODE_BYTES = 200  # a node's own overhead, about
 
 
+# Roots (adapter and cache salt pairs) a model's cache keeps: tenants times the salts their
+# clients set, the least recently used dropped past it.
+MAX_ROOTS = 4096
+
+
 class PromptCache:
     """The trie of one model's leading prompt parts (see the module docstring), shared by
     the event loop and the hint threads (one lock around every change)."""
@@ -335,7 +340,10 @@ class PromptCache:
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self._nodes: OrderedDict[tuple[Any, ...], _Node] = OrderedDict()
-        self._roots: dict[str, _Node] = {}
+        # (adapter, cache salt) -> its root, oldest first; at most MAX_ROOTS (clients choose
+        # salts). A root made again gets a new id, so its old children never match.
+        self._roots: OrderedDict[tuple[str, str], _Node] = OrderedDict()
+        self._next_root_id = -1
         self._next_id = 1
         self.bytes = 0
         self.hit_tokens = 0  # prompt tokens found here
@@ -344,12 +352,19 @@ class PromptCache:
         self.deferred_tokens = 0  # estimated tokens of new last messages not tokenized
         self.evicted = 0
 
-    def root(self, adapter: str) -> _Node:
-        node = self._roots.get(adapter)
+    def root(self, adapter: str, salt: str = "") -> _Node:
+        """The start of the prompts of `adapter` ("": the base model) under the cache salt
+        `salt` ("": none): their hashes chain from their own seed."""
+        node = self._roots.get((adapter, salt))
         if node is None:
-            seed = chain_seed(adapter)
-            node = _Node(-len(self._roots) - 1, None, 0, array("q"), seed, [], "", 0)
-            self._roots[adapter] = node
+            seed = chain_seed(adapter, salt)
+            node = _Node(self._next_root_id, None, 0, array("q"), seed, [], "", 0)
+            self._next_root_id -= 1
+            self._roots[(adapter, salt)] = node
+            if len(self._roots) > MAX_ROOTS:  # its children age out of the LRU unreached
+                self._roots.popitem(last=False)
+        elif salt:
+            self._roots.move_to_end((adapter, salt))
         return node
 
     def get(self, parent: _Node, piece: Any) -> _Node | None:

@@ -282,7 +282,12 @@ class _ModelHints:
 
     # -- chat -------------------------------------------------------------------------
     def chat(
-        self, messages: Any, extra: dict[str, Any], adapter: str, base: dict[str, Any]
+        self,
+        messages: Any,
+        extra: dict[str, Any],
+        adapter: str,
+        base: dict[str, Any],
+        salt: str = "",
     ) -> HintsPlan:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages is not a non-empty list")
@@ -290,10 +295,12 @@ class _ModelHints:
         if chunks is None or extra:
             work = _chars(messages)
             return HintsPlan(
-                base, finish=lambda: self._chat_whole(messages, extra, adapter), work=work + 1
+                base,
+                finish=lambda: self._chat_whole(messages, extra, adapter, salt),
+                work=work + 1,
             )
         with cache.lock:
-            node = cache.root(adapter)
+            node = cache.root(adapter, salt)
             path = [node]
             for i, message in enumerate(messages):
                 child = cache.get(node, _message_key(message, i == 0))
@@ -320,7 +327,7 @@ class _ModelHints:
         )
         return HintsPlan(
             base,
-            finish=lambda: self._chat_chunked(node, messages, start, adapter, chunks, defer),
+            finish=lambda: self._chat_chunked(node, messages, start, adapter, chunks, defer, salt),
             work=work + 1,
         )
 
@@ -373,6 +380,7 @@ class _ModelHints:
         adapter: str,
         chunks: MessageChunks,
         defer: bool = False,
+        salt: str = "",
     ) -> dict[str, Any]:
         texts: list[str] = []
         pendings: list[str] = []
@@ -398,7 +406,7 @@ class _ModelHints:
             return self._deferred(node, messages[-1], adapter, chunks)
         final = cache.extend(node, _GENERATION, token_lists[-1], "")
         if self._verify_due():
-            whole = self._verify(messages, adapter, final)
+            whole = self._verify(messages, adapter, final, salt)
             if whole is not None:
                 return whole
         return self._result(final, adapter)
@@ -409,11 +417,13 @@ class _ModelHints:
             n = self._rendered
         return n <= VERIFY_FIRST or n % VERIFY_EVERY == 0
 
-    def _verify(self, messages: list[Any], adapter: str, final: Any) -> dict[str, Any] | None:
+    def _verify(
+        self, messages: list[Any], adapter: str, final: Any, salt: str = ""
+    ) -> dict[str, Any] | None:
         """Render and tokenize the whole prompt; on a difference, render by message no more
         and return the whole prompt's hints."""
         whole = self.tokenizer.encode_pieces([self.tokenizer.render_chat(messages)])[0]
-        hashes = prompt_block_hashes(whole, self.block_size, adapter)
+        hashes = prompt_block_hashes(whole, self.block_size, adapter, salt)
         if len(whole) == final.n and hashes == final.hashes.tolist():
             return None
         self.mismatches += 1
@@ -435,7 +445,7 @@ class _ModelHints:
         return out
 
     def _chat_whole(
-        self, messages: list[Any], extra: dict[str, Any], adapter: str
+        self, messages: list[Any], extra: dict[str, Any], adapter: str, salt: str = ""
     ) -> dict[str, Any]:
         """Render the whole prompt; tokenize only the pieces (between hard boundaries) the
         cache does not hold."""
@@ -444,7 +454,7 @@ class _ModelHints:
         cache = self.cache
         pieces = [text[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
         with cache.lock:
-            node = cache.root(adapter)
+            node = cache.root(adapter, salt)
             path = [node]
             for piece in pieces:
                 child = cache.get(node, ("t", piece))
@@ -465,12 +475,14 @@ class _ModelHints:
         return self._result(node, adapter)
 
     # -- completions ----------------------------------------------------------------------
-    def completion(self, prompt: Any, adapter: str, base: dict[str, Any]) -> HintsPlan:
+    def completion(
+        self, prompt: Any, adapter: str, base: dict[str, Any], salt: str = ""
+    ) -> HintsPlan:
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if not isinstance(prompt, str):
             tokens = self.tokenizer.prompt_tokens(prompt)
-            out = self.hash_fields(prompt_block_hashes(tokens, self.block_size, adapter))
+            out = self.hash_fields(prompt_block_hashes(tokens, self.block_size, adapter, salt))
             out["prompt_tokens"] = len(tokens)
             if adapter:
                 out["adapter"] = adapter
@@ -482,7 +494,7 @@ class _ModelHints:
         cache = self.cache
         key = ("p", prompt)
         with cache.lock:
-            root = cache.root(adapter)
+            root = cache.root(adapter, salt)
             node = cache.get(root, key)
             if node is not None:
                 cache.touch([node])
@@ -564,7 +576,15 @@ class RouteHints:
         a request body for `hints` only when it is used."""
         return self._adapters.get(model, model) in self._models
 
-    def plan(self, model: str, payload: Mapping[str, Any], headers: Mapping[str, str]) -> HintsPlan:
+    def plan(
+        self,
+        model: str,
+        payload: Mapping[str, Any],
+        headers: Mapping[str, str],
+        salt: str = "",
+    ) -> HintsPlan:
+        """`salt`: the cache salt the gateway set on the request ("": none): the prompt's
+        hashes chain from a seed of its own (contracts/cache_salt.py)."""
         base: dict[str, Any] = {}
         session = headers.get(SESSION_HEADER)
         if session:
@@ -577,16 +597,20 @@ class RouteHints:
             messages = payload.get("messages")
             if messages is not None:
                 extra = {"tools": payload["tools"]} if payload.get("tools") else {}
-                return entry.chat(messages, extra, adapter, base)
-            return entry.completion(payload.get("prompt"), adapter, base)
+                return entry.chat(messages, extra, adapter, base, salt)
+            return entry.completion(payload.get("prompt"), adapter, base, salt)
         except _HINT_ERRORS as err:
             log.debug("no prompt hints for %s: %s", model, err)
             return HintsPlan(base, base)
 
     def hints(
-        self, model: str, payload: Mapping[str, Any], headers: Mapping[str, str]
+        self,
+        model: str,
+        payload: Mapping[str, Any],
+        headers: Mapping[str, str],
+        salt: str = "",
     ) -> dict[str, Any]:
-        return self.plan(model, payload, headers).run()
+        return self.plan(model, payload, headers, salt).run()
 
     def cache_stats(self) -> list[tuple[str, PromptCache, int, bool]]:
         """(model, its cache, rendering mismatches, rendered by message) per model."""

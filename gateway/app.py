@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hpcserve.config import GatewayConfig
+from hpcserve.contracts.cache_salt import tenant_salt
 from hpcserve.contracts.engine_token import bearer_matches
 from hpcserve.contracts.prompt_tokens import SESSION_HEADER, RouteHints
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET, RouteReply
@@ -315,6 +316,11 @@ class Gateway:
                 payload["stream_options"]["include_usage"] = True
                 body = msgspec.json.encode(payload)
                 strip_usage = True
+        salt = ""
+        if self.config.isolate_tenant_caches and endpoint in _GENERATING:
+            # Set last, so it is the one the engine reads whatever the body said before.
+            salt = tenant_salt(tenant.name, getattr(parsed, "cache_salt", None) or "")
+            body = body.rstrip()[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
         engine_body, strip_continuous = _continuous_usage(body, parsed, stream, endpoint)
         headers = {
             "Content-Type": "application/json",
@@ -344,7 +350,7 @@ class Gateway:
             )
         hints: dict[str, Any] = {}
         if self.route_hints is not None and endpoint in _GENERATING:
-            hints = await self.prefix_hints(model, body, request.headers)
+            hints = await self.prefix_hints(model, body, request.headers, salt)
         # Overflow on a queue budget, and a canary alias kept per user (router/queue_wait.py,
         # router/aliases.py).
         if self.external is not None and (budget := self.external.queue_budget_s(tenant, model)):
@@ -527,7 +533,7 @@ class Gateway:
             self.routing.release(decision.prefill_replica_id, model)
 
     async def prefix_hints(
-        self, model: str, body: bytes, headers: Mapping[str, str]
+        self, model: str, body: bytes, headers: Mapping[str, str], salt: str = ""
     ) -> dict[str, Any]:
         """The Route fields for prefix-aware routing (contracts/prompt_tokens.py RouteHints).
 
@@ -543,7 +549,7 @@ class Gateway:
         view = self.routing.view
         model = view.served_as(model)  # an alias: hashed as its target's model
         if not route_hints.covers(model):
-            return route_hints.hints(model, {}, headers)
+            return route_hints.hints(model, {}, headers, salt)
         replicas = view.replicas_of(route_hints.base_model(model))
         if replicas is not None and replicas < self.config.prefix_hints_min_replicas:
             self.metrics.hints_skipped.labels("one_replica").inc()
@@ -551,7 +557,7 @@ class Gateway:
         if len(body) > HINT_DECODE_INLINE_BYTES:
             plan = None
         else:
-            plan = route_hints.plan(model, _dict.decode(body), headers)
+            plan = route_hints.plan(model, _dict.decode(body), headers, salt)
             if plan.work <= INLINE_HINT_BYTES:
                 return plan.run()
         if self._hints_waiting >= MAX_HINTS_WAITING:
@@ -565,7 +571,7 @@ class Gateway:
             loop = asyncio.get_running_loop()
             if plan is None:
                 return await loop.run_in_executor(
-                    self._hint_pool, _decoded_hints, route_hints, model, body, headers
+                    self._hint_pool, _decoded_hints, route_hints, model, body, headers, salt
                 )
             return await loop.run_in_executor(self._hint_pool, plan.run)
         finally:
@@ -838,9 +844,9 @@ def _continuous_usage(
 
 
 def _decoded_hints(
-    route_hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str]
+    route_hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str], salt: str
 ) -> dict[str, Any]:
-    return route_hints.hints(model, _dict.decode(body), headers)
+    return route_hints.hints(model, _dict.decode(body), headers, salt)
 
 
 def _session_only(headers: Mapping[str, str]) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from hpcserve.gateway.errors import APIError, bad_request
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 MaxN = 128  # OpenAI's own limit on n
 Text = Annotated[str, msgspec.Meta(max_length=1_000_000)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_SALT_FORBIDDEN = ("@", "/", "\\", "\x00")
 
 
 class StreamOptions(msgspec.Struct):
@@ -86,6 +88,9 @@ class _Sampling(msgspec.Struct):
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     user: str | None = None
+    # vLLM's own limits on it; the gateway sets the salt the engine sees (app.py: the
+    # tenant's, derived from this one where the client set it).
+    cache_salt: CacheSalt | None = None
 
 
 class ChatRequest(_Sampling):
@@ -163,6 +168,11 @@ def parse(endpoint: str, body: bytes) -> Request:
         raise bad_request(
             f"Request body nests JSON too deeply (the limit is {json_limits.MAX_DEPTH} levels)"
         ) from None
+    salt = getattr(request, "cache_salt", None)
+    if salt is not None and any(c in salt for c in _SALT_FORBIDDEN):
+        raise bad_request(
+            "cache_salt must not contain '@', '/', '\\' or NUL (vLLM's rule)", param="cache_salt"
+        )
     if request.stream and endpoint not in STREAMING:
         raise bad_request(f"{endpoint} does not stream: 'stream' must be false", param="stream")
     if isinstance(request, ChatRequest):

@@ -271,6 +271,12 @@ class GatewayConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     # with the earlier messages' blocks and the prompt's token count is estimated. 0: every
     # message is tokenized (docs/architecture.md, "Prefix hints").
     prompt_defer_chars: Annotated[int, msgspec.Meta(ge=0)] = 1024
+    # Each tenant its own prefix cache in the engines: the gateway sets every generation's
+    # `cache_salt` from the tenant (contracts/cache_salt.py), so no tenant can tell from its
+    # time to first token what another's prompts were. false: tenants share cached prefixes
+    # (a system prompt common to all of them computed once), and a client's own cache_salt
+    # is passed on as sent.
+    isolate_tenant_caches: bool = True
     # Prefix hints only for a model the routing view lists at least this many replicas of:
     # with one there is no choice for them to change (1: always, e.g. to check the hashes).
     prefix_hints_min_replicas: Annotated[int, msgspec.Meta(ge=1)] = 2

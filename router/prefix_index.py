@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 import msgspec
 
 from hpcserve.contracts import kv_wire as kw
+from hpcserve.contracts.cache_salt import salt_of
 from hpcserve.contracts.prefix_hash import (
     chain_hashes,
     chain_seed,
@@ -117,7 +118,9 @@ class PrefixIndex:
         engine = self._engine[slot]
         parent = event.parent_block_hash
         if parent is None:
-            h = chain_seed(event.lora_name) if event.lora_name else _BASE_SEED
+            # The cache salt the gateway set is in the first block's extra keys.
+            salt = salt_of(event.extra_keys[0]) if event.extra_keys else ""
+            h = chain_seed(event.lora_name or "", salt) if event.lora_name or salt else _BASE_SEED
         else:
             parent_hash = engine.get(parent)
             if parent_hash is None:

@@ -93,6 +93,10 @@ def wire_events(events: list[KVEvent]) -> list[kw.KVEvent]:
                         token_ids=event.token_ids,
                         block_size=event.block_size,
                         medium=MEDIUM,
+                        # vLLM's: one entry per block; the salt in the first block's
+                        extra_keys=[(event.salt,)] + [None] * (len(event.block_hashes) - 1)
+                        if event.salt
+                        else None,
                         group_idx=0,
                     )
                 )
@@ -178,6 +182,7 @@ class SimEngine:
         max_tokens: int,
         priority: int = 0,
         kv_params: Mapping[str, Any] | None = None,
+        cache_salt: str = "",
     ) -> SimRequest:
         """Queue a request (ValueError when it can never fit); read it with ``stream``.
         ``priority`` (lower first) counts under the priority policy only, as in vLLM.
@@ -194,7 +199,12 @@ class SimEngine:
                 f"({len(prompt_ids)} in the messages, {max_tokens} in the completion)."
             )
         req = SimRequest(
-            f"sim-{next(self._ids)}", list(prompt_ids), max_tokens, self.now(), priority=priority
+            f"sim-{next(self._ids)}",
+            list(prompt_ids),
+            max_tokens,
+            self.now(),
+            priority=priority,
+            cache_salt=cache_salt,
         )
         if self.config.request_trace:
             self._arrived[req.request_id] = self._state_at_arrival()
@@ -218,7 +228,7 @@ class SimEngine:
         """Move the prompt's KV cache from the prefill replica (modelled: the link's time
         for the tokens this replica's prefix cache lacks), then queue the request."""
         bs = self.kv.block_size
-        local = len(self.kv.cached_prefix_blocks(req.prompt_ids)) * bs
+        local = len(self.kv.cached_prefix_blocks(req.prompt_ids, req.cache_salt)) * bs
         nbytes = (len(req.prompt_ids) - local) * self.config.hardware.kv_bytes_per_token
         seconds = transfer.transfer_s(nbytes)
         await asyncio.sleep(seconds * self.config.time_scale)

@@ -27,11 +27,18 @@ from dataclasses import dataclass, field
 ROOT_HASH = hashlib.sha256(b"hpcserve-sim-root").digest()
 
 
-def block_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """SHA-256 over the parent's hash and the block's token ids."""
-    h = hashlib.sha256(parent or ROOT_HASH)
+def block_hash(
+    parent: bytes | None, token_ids: list[int] | tuple[int, ...], salt: str = ""
+) -> bytes:
+    """SHA-256 over the parent's hash and the block's token ids; a first block's (no parent)
+    over the request's cache salt too, as vLLM hashes it into the first block alone."""
+    h = hashlib.sha256(parent or (_salted_root(salt) if salt else ROOT_HASH))
     h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids))
     return h.digest()
+
+
+def _salted_root(salt: str) -> bytes:
+    return hashlib.sha256(ROOT_HASH + salt.encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,9 @@ class Stored:
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
+    # The cache salt of the request whose first block opens this run (no parent), as vLLM
+    # publishes it in the first block's extra keys; "" otherwise.
+    salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,7 @@ class SeqBlocks:
     blocks: list[int] = field(default_factory=list)
     hashed: int = 0
     last_hash: bytes | None = None  # hash of block ``hashed - 1``: the parent of the next
+    salt: str = ""  # the request's cache salt (its first block's hash covers it)
 
 
 class KVCache:
@@ -109,15 +120,16 @@ class KVCache:
     def blocks_of(self, request_id: str) -> list[int]:
         return list(self._seqs[request_id].blocks) if request_id in self._seqs else []
 
-    def cached_prefix_blocks(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks matching the longest prefix of ``token_ids``, leaving at least the
-        last token to compute (a request must run one step to produce its first token)."""
+    def cached_prefix_blocks(self, token_ids: list[int], salt: str = "") -> list[int]:
+        """Cached blocks matching the longest prefix of ``token_ids`` (under the cache salt
+        ``salt``), leaving at least the last token to compute (a request must run one step
+        to produce its first token)."""
         bs = self.block_size
         full = (len(token_ids) - 1) // bs
         found: list[int] = []
         parent: bytes | None = None
         for i in range(full):
-            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs], salt)
             block_id = self._cached.get(h)
             if block_id is None:
                 break
@@ -127,15 +139,16 @@ class KVCache:
 
     # -- changes ----------------------------------------------------------------------------
 
-    def lookup(self, request_id: str, token_ids: list[int]) -> int:
-        """Start ``request_id`` on the cached prefix of ``token_ids``: the blocks are taken
-        (referenced), the query counted; returns the number of cached tokens."""
+    def lookup(self, request_id: str, token_ids: list[int], salt: str = "") -> int:
+        """Start ``request_id`` on the cached prefix of ``token_ids`` (under its cache salt
+        ``salt``): the blocks are taken (referenced), the query counted; returns the number
+        of cached tokens."""
         assert request_id not in self._seqs, request_id
-        found = self.cached_prefix_blocks(token_ids)
+        found = self.cached_prefix_blocks(token_ids, salt)
         for block_id in found:
             self._ref(block_id)
         last = self._blocks[found[-1]].hash if found else None
-        self._seqs[request_id] = SeqBlocks(found, hashed=len(found), last_hash=last)
+        self._seqs[request_id] = SeqBlocks(found, hashed=len(found), last_hash=last, salt=salt)
         self.queries += len(token_ids)
         self.hits += len(found) * self.block_size
         return len(found) * self.block_size
@@ -181,26 +194,31 @@ class KVCache:
         run: list[bytes] = []
         run_parent, run_start = parent, seq.hashed
         for i in range(seq.hashed, full):
-            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(parent, token_ids[i * bs : (i + 1) * bs], seq.salt)
             block = self._blocks[seq.blocks[i]]
             if h in self._cached:
-                self._flush(run, run_parent, token_ids, run_start)
+                self._flush(run, run_parent, token_ids, run_start, seq.salt)
                 run, run_parent, run_start = [], h, i + 1
             else:
                 block.hash = h
                 self._cached[h] = block.block_id
                 run.append(h)
             parent = h
-        self._flush(run, run_parent, token_ids, run_start)
+        self._flush(run, run_parent, token_ids, run_start, seq.salt)
         seq.hashed, seq.last_hash = full, parent
 
     def _flush(
-        self, run: list[bytes], parent: bytes | None, token_ids: list[int], start: int
+        self,
+        run: list[bytes],
+        parent: bytes | None,
+        token_ids: list[int],
+        start: int,
+        salt: str = "",
     ) -> None:
         if run:
             bs = self.block_size
             tokens = list(token_ids[start * bs : (start + len(run)) * bs])
-            self.events.append(Stored(run, parent, tokens, bs))
+            self.events.append(Stored(run, parent, tokens, bs, salt if parent is None else ""))
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, last block first (its tail is evicted before its prefix)."""

@@ -108,7 +108,7 @@ class _UnhashedKV(KVCache):
     """Prefix caching off (vLLM's --no-enable-prefix-caching): the runs' prompts share no
     prefix, and hashing every block would cost most of a run's CPU time."""
 
-    def lookup(self, request_id: str, token_ids: list[int]) -> int:
+    def lookup(self, request_id: str, token_ids: list[int], salt: str = "") -> int:
         self.allocate(request_id, 0)
         self.queries += len(token_ids)
         return 0

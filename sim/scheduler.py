@@ -60,6 +60,7 @@ class SimRequest:
     finish_reason: str = ""
     started: bool = False
     priority: int = 0  # lower first, under the priority policy
+    cache_salt: str = ""  # its blocks are shared only with requests of the same salt
     order: int = 0  # set by the scheduler: breaks ties of equal arrival times
     # Disaggregated decode (sim/transfer.py): its prompt's KV cache came from a prefill
     # replica, so it starts with the prompt computed but the last token; external_tokens:
@@ -233,7 +234,7 @@ class Scheduler:
         ):
             req = self.waiting.peek()
             if not self.kv.holds(req.request_id):
-                cached = self.kv.lookup(req.request_id, req.all_ids)
+                cached = self.kv.lookup(req.request_id, req.all_ids, req.cache_salt)
                 req.num_computed = cached
                 if not req.started:
                     req.cached_tokens = cached

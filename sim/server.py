@@ -131,7 +131,12 @@ def build_app(
             kv_params = body.get("kv_transfer_params")
             if kv_params is not None and not isinstance(kv_params, dict):
                 raise ValueError("kv_transfer_params must be an object")
-            req = engine.submit(prompt_ids, max_tokens, request_priority(request, body), kv_params)
+            salt = body.get("cache_salt") or ""
+            if not isinstance(salt, str) or len(salt) > 128:
+                raise ValueError("cache_salt must be a string of at most 128 characters")
+            req = engine.submit(
+                prompt_ids, max_tokens, request_priority(request, body), kv_params, salt
+            )
         except (ValueError, TokenizerError) as err:
             return error(str(err), 400)
         except EngineClosed as err:

@@ -334,3 +334,55 @@ def test_limits_hold_across_two_gateway_processes(
             lambda: len(answered) == 2 and min(answered.values()) >= 2,
         )
         assert [post(urls[0]), post(urls[1])] == [429, 429]
+
+
+def _engine_hits(engine: SimEngine) -> float:
+    for line in httpx.get(engine.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("the engine reports no vllm:prefix_cache_hits_total")
+
+
+LONG_PROMPT = "A prompt prefix another tenant must not be able to probe. " * 30
+
+
+def test_each_tenant_has_its_own_prefix_cache(client: TestClient, engines) -> None:
+    """The gateway sets each tenant's cache_salt last (a client's own cannot override it):
+    a prompt one tenant sent is a cache hit for that tenant again, and for no other, even
+    one that sends the first tenant's salt itself."""
+    fast = engines["fast"]
+
+    def hits_of(tenant: str, **extra: object) -> float:
+        before = _engine_hits(fast)
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1, **extra}
+        reply = client.post("/v1/completions", headers=auth(tenant), json=body)
+        assert reply.status_code == 200, reply.text
+        return _engine_hits(fast) - before
+
+    from hpcserve.contracts.cache_salt import tenant_salt
+
+    hits_of("open")
+    assert hits_of("open") > 0  # the tenant's own prefix, cached
+    assert hits_of("resident") == 0  # the same prompt from another tenant: computed
+    assert hits_of("bursty", cache_salt=tenant_salt("open")) == 0  # a salt of its own choice
+    assert hits_of("open", cache_salt="mine") == 0  # a client's own salt: its own cache
+    assert hits_of("open", cache_salt="mine") > 0
+    refused = client.post(
+        "/v1/completions",
+        headers=auth("open"),
+        json={"model": MODEL, "prompt": "x", "cache_salt": "a/b"},
+    )
+    assert refused.status_code == 400 and "cache_salt" in refused.text
+
+
+def test_tenants_share_prefixes_where_the_site_allows_it(router, engines) -> None:
+    register(router, "fast", engines["fast"].url)
+    shared = make_gateway(router, isolate_tenant_caches=False)
+    with TestClient(build_app(shared)) as client:
+        body = {"model": MODEL, "prompt": "Shared across tenants. " * 60, "max_tokens": 1}
+        assert client.post("/v1/completions", headers=auth("open"), json=body).status_code == 200
+        before = _engine_hits(engines["fast"])
+        assert (
+            client.post("/v1/completions", headers=auth("resident"), json=body).status_code == 200
+        )
+        assert _engine_hits(engines["fast"]) > before

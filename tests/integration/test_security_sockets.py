@@ -24,7 +24,10 @@ import httpx
 import pytest
 
 from hpcserve.contracts import protocol as p
+from hpcserve.contracts.cache_salt import tenant_salt
 from hpcserve.contracts.curve import generate_keys
+from hpcserve.contracts.prefix_hash import prompt_block_hashes
+from hpcserve.contracts.prompt_tokens import PromptTokenizer
 from hpcserve.router.server import RouterServer
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import wait_for
@@ -42,6 +45,7 @@ class Running:
     log: Path
     url: str  # vLLM's
     kv_dir: Path  # where vLLM's KV-event sockets are
+    model: Path
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +77,7 @@ def running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
             )
             assert replica.spec.kv_events_relayed and not replica.spec.kv_events_endpoint
             (events,) = set(re.findall(r"ipc://([^\s\"',]+?)/events", log.read_text()))
-            yield Running(router, keys, engine, log, replica.spec.url, Path(events))
+            yield Running(router, keys, engine, log, replica.spec.url, Path(events), model)
         finally:
             engine.terminate()
             engine.wait(120)
@@ -96,6 +100,33 @@ def test_the_stacks_own_kv_events_reach_the_router_through_the_agent(running: Ru
     wait_for("BlockStored relayed to the router", lambda: ingest.blocks > before, timeout=60)
     assert running.router.kv_events.metrics.bad._value.get() == 0
     assert "relaying KV events of" in running.log.read_text()
+
+
+def test_a_tenants_salted_blocks_are_indexed_under_its_salt(running: Running) -> None:
+    """vLLM publishes a request's cache_salt in its first block's extra keys: the router's
+    index chains those blocks from the salted seed (contracts/cache_salt.py), so the
+    gateway's salted hints for that tenant match them and unsalted ones do not."""
+    index = running.router.decider.index
+    salt = tenant_salt("team-a")
+    prompt = "Each tenant has a prefix cache of its own, and the router knows it. " * 30
+    tokens = PromptTokenizer.from_dir(running.model).prompt_tokens(prompt)
+    reply = httpx.post(
+        running.url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": salt},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+    (replica_id,) = [r.replica_id for r in running.router.registry]
+    size = index.block_size(replica_id)
+    salted = prompt_block_hashes(tokens, size, "", salt)
+    assert len(salted) >= 2
+    wait_for(
+        "the salted blocks indexed",
+        lambda: index.match(salted).get(replica_id, 0) == len(salted),
+        timeout=60,
+    )
+    assert index.match(prompt_block_hashes(tokens, size)) == {}
+    assert index.match(prompt_block_hashes(tokens, size, "", tenant_salt("team-b"))) == {}
 
 
 CONNECT_AS_PROBE = """
