@@ -363,7 +363,7 @@ class PromptCache:
             self._roots[(adapter, salt)] = node
             if len(self._roots) > MAX_ROOTS:  # its children age out of the LRU unreached
                 self._roots.popitem(last=False)
-        elif salt:
+        else:
             self._roots.move_to_end((adapter, salt))
         return node
 

@@ -316,11 +316,16 @@ class Gateway:
                 payload["stream_options"]["include_usage"] = True
                 body = msgspec.json.encode(payload)
                 strip_usage = True
-        salt = ""
+        client_salt = getattr(parsed, "cache_salt", None)
+        salt = client_salt or ""  # the engine shares blocks only within a salt: hash it in
         if self.config.isolate_tenant_caches and endpoint in _GENERATING:
-            # Set last, so it is the one the engine reads whatever the body said before.
-            salt = tenant_salt(tenant.name, getattr(parsed, "cache_salt", None) or "")
-            body = body.rstrip()[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
+            salt = tenant_salt(tenant.name, client_salt or "")
+            if client_salt is None:
+                body = body.rstrip()[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
+            else:  # the client's own replaced, not left beside ours for a parser to choose
+                payload = _dict.decode(body)
+                payload["cache_salt"] = salt
+                body = msgspec.json.encode(payload)
         engine_body, strip_continuous = _continuous_usage(body, parsed, stream, endpoint)
         headers = {
             "Content-Type": "application/json",

@@ -131,3 +131,22 @@ def test_a_bad_cache_salt_is_a_400_naming_it(tmp_path: Path) -> None:
     too_long = b'{"model":"m","prompt":"x","cache_salt":"' + b"s" * 129 + b'"}'
     with pytest.raises(APIError, match="cache_salt"):
         validate.parse("/v1/completions", too_long)
+
+
+def test_the_prompt_caches_roots_are_bounded_however_many_salts_clients_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hpcserve.contracts import prompt_cache
+    from hpcserve.contracts.prompt_cache import PromptCache
+
+    monkeypatch.setattr(prompt_cache, "MAX_ROOTS", 3)
+    cache = PromptCache(BS, 1 << 20)
+    base = cache.root("")
+    first = cache.root("", "s1")
+    cache.root("", "s2")
+    assert cache.root("") is base  # used again: the newest
+    cache.root("", "s3")  # one past the bound: the least recently used (s1) goes
+    again = cache.root("", "s1")
+    assert again is not first and again.id != first.id  # its old children never match
+    assert cache.root("") is base
+    assert again.last == first.last == chain_seed("", "s1")
