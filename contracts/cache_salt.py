@@ -35,11 +35,15 @@ def tenant_salt(tenant: str, client_salt: str = "") -> str:
     return SALT_PREFIX + digest[:32]
 
 
-def salt_of(extra_keys: Sequence[Any] | None) -> str:
-    """The salt among a first block's extra keys (BlockStored.extra_keys[0]: the LoRA name,
-    multimodal pairs, the cache salt, prompt-embedding digests, untagged); "" when none of
-    them is one the gateway set."""
-    for key in extra_keys or ():
+def salt_of(extra_keys: Sequence[Any] | None, lora_name: str | None = None) -> str:
+    """The salt among a first block's extra keys (BlockStored.extra_keys[0]: the LoRA name
+    when `lora_name` is set, multimodal pairs, the cache salt, prompt-embedding digests,
+    untagged); "" when none of them is one the gateway set. The LoRA name is skipped, so
+    an adapter whose name happens to start like a salt is not taken for one."""
+    keys = list(extra_keys or ())
+    if lora_name and keys and keys[0] == lora_name:
+        del keys[0]
+    for key in keys:
         if isinstance(key, str) and key.startswith(SALT_PREFIX):
             return key
     return ""

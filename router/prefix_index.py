@@ -119,7 +119,7 @@ class PrefixIndex:
         parent = event.parent_block_hash
         if parent is None:
             # The cache salt the gateway set is in the first block's extra keys.
-            salt = salt_of(event.extra_keys[0]) if event.extra_keys else ""
+            salt = salt_of(event.extra_keys[0], event.lora_name) if event.extra_keys else ""
             h = chain_seed(event.lora_name or "", salt) if event.lora_name or salt else _BASE_SEED
         else:
             parent_hash = engine.get(parent)

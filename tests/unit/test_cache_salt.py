@@ -47,6 +47,12 @@ def test_the_salt_among_a_first_blocks_extra_keys(first_block_keys, salt) -> Non
     assert salt_of(first_block_keys) == salt
 
 
+def test_an_adapter_named_like_a_salt_is_not_taken_for_one() -> None:
+    lora = SALT_PREFIX + "adapter"
+    assert salt_of((lora,), lora) == ""
+    assert salt_of((lora, tenant_salt("t")), lora) == tenant_salt("t")
+
+
 def test_the_index_keeps_salted_blocks_apart() -> None:
     """vLLM publishes the salt in the first block's extra keys: the index chains those
     blocks from the salted seed, so only a prompt hashed with the same salt matches them."""
