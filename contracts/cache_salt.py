@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import msgspec
+
 SALT_PREFIX = "hpcs-"
 
 
@@ -47,3 +49,27 @@ def salt_of(extra_keys: Sequence[Any] | None, lora_name: str | None = None) -> s
         if isinstance(key, str) and key.startswith(SALT_PREFIX):
             return key
     return ""
+
+
+_object = msgspec.json.Decoder(dict[str, Any])
+
+
+def salted_body(body: bytes, salt: str, *, replace: bool) -> bytes:
+    """The JSON object `body` with `"cache_salt": salt` as its last key. `replace`: the body
+    may hold a cache_salt already (the client's), which is taken out rather than left
+    beside ours for a parser to choose between (re-encoded); else the key is appended to
+    the bytes as they are."""
+    if replace:
+        payload = _object.decode(body)
+        payload.pop("cache_salt", None)
+        payload["cache_salt"] = salt
+        return msgspec.json.encode(payload)
+    head = body.rstrip()[:-1].rstrip()
+    comma = b"" if head.endswith(b"{") else b","
+    return head + comma + b'"cache_salt":"' + salt.encode() + b'"}'
+
+
+def client_salt_of(body: bytes) -> str:
+    """The cache_salt a request body sets ("" for none, or not a string)."""
+    salt = _object.decode(body).get("cache_salt")
+    return salt if isinstance(salt, str) else ""

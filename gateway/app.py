@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hpcserve.config import GatewayConfig
-from hpcserve.contracts.cache_salt import tenant_salt
+from hpcserve.contracts.cache_salt import salted_body, tenant_salt
 from hpcserve.contracts.engine_token import bearer_matches
 from hpcserve.contracts.prompt_tokens import SESSION_HEADER, RouteHints
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET, RouteReply
@@ -320,12 +320,7 @@ class Gateway:
         salt = client_salt or ""  # the engine shares blocks only within a salt: hash it in
         if self.config.isolate_tenant_caches and endpoint in _GENERATING:
             salt = tenant_salt(tenant.name, client_salt or "")
-            if client_salt is None:
-                body = body.rstrip()[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
-            else:  # the client's own replaced, not left beside ours for a parser to choose
-                payload = _dict.decode(body)
-                payload["cache_salt"] = salt
-                body = msgspec.json.encode(payload)
+            body = salted_body(body, salt, replace=client_salt is not None)
         engine_body, strip_continuous = _continuous_usage(body, parsed, stream, endpoint)
         headers = {
             "Content-Type": "application/json",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from hpcserve.contracts.cache_salt import client_salt_of, salted_body, tenant_salt
 from hpcserve.gateway import errors
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.responses import batch_request, batch_response
@@ -82,7 +83,9 @@ class _Exchange:
 class Executor(Protocol):
     """What the runner needs to run one request (BatchRunner depends on this only)."""
 
-    async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]: ...
+    async def route_hints(
+        self, model: str, path: str, body: bytes, tenant: str = ""
+    ) -> dict[str, Any]: ...
 
     async def execute(
         self,
@@ -93,6 +96,7 @@ class Executor(Protocol):
         *,
         exclude: list[str],
         hints: dict[str, Any],
+        tenant: str = "",
     ) -> EngineReply: ...
 
 
@@ -107,13 +111,28 @@ class RoutedExecutor:
         *,
         route_hints: RouteHints | None,
         configured_models: Collection[str],
+        isolate_tenant_caches: bool = False,
     ) -> None:
+        """isolate_tenant_caches: each generation carries its tenant's cache_salt, as the
+        gateway's interactive ones do (contracts/cache_salt.py)."""
         self.routing = routing
         self.relay = relay
         self.hints = route_hints
         self.configured_models = configured_models
+        self.isolate_tenant_caches = isolate_tenant_caches
 
-    async def route_hints(self, model: str, path: str, body: bytes) -> dict[str, Any]:
+    def _salt(self, body: bytes, tenant: str) -> str:
+        """The tenant's cache salt for this chat or completion body ("": none set)."""
+        if not self.isolate_tenant_caches or not tenant:
+            return ""
+        try:
+            return tenant_salt(tenant, client_salt_of(body))
+        except msgspec.DecodeError:
+            return ""  # execute() answers it
+
+    async def route_hints(
+        self, model: str, path: str, body: bytes, tenant: str = ""
+    ) -> dict[str, Any]:
         """The prompt's block hashes for prefix-aware routing, as the gateway computes them for
         interactive requests; tokenized in a thread, so the batch never stalls the event loop
         (in a gateway, the one interactive requests share)."""
@@ -125,7 +144,8 @@ class RoutedExecutor:
                 return {}  # execute() answers it
         if hints is None or path not in _GENERATING or model not in hints:
             return {}
-        return await asyncio.to_thread(hints.hints, model, _payload.decode(body), {})
+        salt = self._salt(body, tenant)
+        return await asyncio.to_thread(hints.hints, model, _payload.decode(body), {}, salt)
 
     async def execute(
         self,
@@ -136,6 +156,7 @@ class RoutedExecutor:
         *,
         exclude: list[str],
         hints: dict[str, Any],
+        tenant: str = "",
     ) -> EngineReply:
         routing = self.routing
         responses_request = None
@@ -145,6 +166,8 @@ class RoutedExecutor:
             except errors.APIError as err:  # checked at upload: only a changed rule gets here
                 return EngineReply(err.status, _error_body(err))
             path = CHAT
+        if path in _GENERATING and (salt := self._salt(body, tenant)):
+            body = salted_body(body, salt, replace=True)
         try:
             decision = await routing.route(model, priority="batch", exclude=exclude, **hints)
         except RouterUnavailable as err:

@@ -93,6 +93,7 @@ class RunnerProcess:
                 self.relay,
                 route_hints=hints,
                 configured_models={pool.model for pool in config.pools},
+                isolate_tenant_caches=config.gateway.isolate_tenant_caches,
             ),
             config.batch,
             tenants=tenants,

@@ -338,14 +338,21 @@ class BatchJob:
         result: Result | None = None
         body = bytes(request.body)
         try:
-            hints = await runner.executor.route_hints(model, request.url, body)
+            tenant = self.record.tenant
+            hints = await runner.executor.route_hints(model, request.url, body, tenant)
             while result is None:
                 try:
                     runner.metrics.in_flight.inc()
                     started = time.time()
                     try:
                         reply = await runner.executor.execute(
-                            model, request.url, body, request_id, exclude=exclude, hints=hints
+                            model,
+                            request.url,
+                            body,
+                            request_id,
+                            exclude=exclude,
+                            hints=hints,
+                            tenant=tenant,
                         )
                     finally:
                         runner.metrics.in_flight.dec()

@@ -66,6 +66,7 @@ class BatchService:
             gateway.relay,
             route_hints=gateway.route_hints,
             configured_models=gateway.configured_models,
+            isolate_tenant_caches=gateway.config.isolate_tenant_caches,
         )
         self._runner = BatchRunner(
             self._store,

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from hpcserve.contracts import protocol as p
+from hpcserve.contracts.cache_salt import salted_body, tenant_salt
 from hpcserve.contracts.router_client import list_replicas
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.batch.execute import NoReplica, ReplicaFailed, RoutedExecutor
@@ -62,7 +63,7 @@ def fleet() -> Iterator[RouterServer]:
                 agent.close()
 
 
-def run(router: RouterServer, scenario) -> None:  # type: ignore[no-untyped-def]
+def run(router: RouterServer, scenario, isolate: bool = False) -> None:  # type: ignore[no-untyped-def]
     async def main() -> None:
         routing = RoutingClient(router.config.routing_bind, timeout_s=10.0)
         relay = Relay(upstream_timeout_s=30.0)
@@ -70,7 +71,11 @@ def run(router: RouterServer, scenario) -> None:  # type: ignore[no-untyped-def]
         await relay.start()
         try:
             executor = RoutedExecutor(
-                routing, relay, route_hints=None, configured_models={"sim", "idle"}
+                routing,
+                relay,
+                route_hints=None,
+                configured_models={"sim", "idle"},
+                isolate_tenant_caches=isolate,
             )
             await scenario(executor)
         finally:
@@ -187,3 +192,54 @@ def test_a_line_for_an_alias_reaches_its_versions_replica_under_its_served_name(
             run(router, scenario)
         finally:
             agent.close()
+
+
+def _live_hits(router: RouterServer) -> float:
+    import httpx
+
+    (live,) = [r for r in list_replicas(router.config.routing_bind) if r.replica_id == "live"]
+    for line in httpx.get(live.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prefix_cache_hits_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no vllm:prefix_cache_hits_total")
+
+
+def test_a_batch_line_carries_its_tenants_cache_salt(fleet: RouterServer) -> None:
+    """As the gateway's interactive requests do: a line shares cached prefixes with its own
+    tenant's requests only, whatever cache_salt the line itself names."""
+    prompt = msgspec.json.encode(
+        {"model": "sim", "max_tokens": 1, "prompt": "A batch of one tenant's documents. " * 40}
+    )
+
+    async def scenario(executor: RoutedExecutor) -> None:
+        async def hits(tenant: str, body: bytes = prompt) -> float:
+            before = _live_hits(fleet)
+            reply = await executor.execute(
+                "sim", "/v1/completions", body, "req", exclude=["dead"], hints={}, tenant=tenant
+            )
+            assert reply.status_code == 200, reply.body
+            return _live_hits(fleet) - before
+
+        await hits("team-a")
+        assert await hits("team-a") > 0
+        assert await hits("team-b") == 0
+        other = msgspec.json.decode(prompt) | {"cache_salt": tenant_salt("team-a")}
+        assert await hits("team-c", msgspec.json.encode(other)) == 0
+
+    run(fleet, scenario, isolate=True)
+
+
+@pytest.mark.parametrize(
+    ("body", "replace", "expected"),
+    [
+        (b'{"model":"m"}', False, {"model": "m", "cache_salt": "s"}),
+        (b'{"model":"m"}  \n', False, {"model": "m", "cache_salt": "s"}),
+        (b"{}", False, {"cache_salt": "s"}),
+        (b'{"cache_salt":"theirs","model":"m"}', True, {"model": "m", "cache_salt": "s"}),
+    ],
+)
+def test_the_salt_goes_last_in_the_body(body: bytes, replace: bool, expected: dict) -> None:
+    out = salted_body(body, "s", replace=replace)
+    assert msgspec.json.decode(out) == expected
+    assert out.rstrip().endswith(b'"cache_salt":"s"}')
+    assert out.count(b"cache_salt") == 1
