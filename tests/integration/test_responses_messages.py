@@ -90,7 +90,9 @@ class Site:
         return proc
 
     def replicas(self) -> list[str]:
-        return sorted(r.url for r in list_replicas(self.router.config.routing_bind))
+        # The router answers in milliseconds, but this host's 2 cores are busy loading vLLM.
+        routing = self.router.config.routing_bind
+        return sorted(r.url for r in list_replicas(routing, timeout_s=15))
 
     def stop_all(self) -> None:
         for proc in self.engines:
