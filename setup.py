@@ -1,4 +1,6 @@
-"""The compiled part of hpcserve: contracts/_blockhash.c (everything else is in pyproject.toml)."""
+"""The compiled parts of hpcserve: contracts/_blockhash.c (the prefix routing's block hashes)
+and gateway/_json_scan.c (the request body's JSON bounds); everything else is in
+pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -8,6 +10,11 @@ setup(
             "hpcserve.contracts._blockhash",
             sources=["contracts/_blockhash.c"],
             extra_compile_args=["-O3"],
-        )
+        ),
+        Extension(
+            "hpcserve.gateway._json_scan",
+            sources=["gateway/_json_scan.c"],
+            extra_compile_args=["-O3"],
+        ),
     ]
 )

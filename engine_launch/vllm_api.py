@@ -28,6 +28,9 @@ def adopted_socket(fd: int) -> socket.socket:
     if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
         sock.detach()
         raise ValueError(f"{FD_VARIABLE}={fd}: not a TCP socket ({sock.family!r}, {sock.type!r})")
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()
+        raise ValueError(f"{FD_VARIABLE}={fd}: a TCP socket that is not listening")
     sock.set_inheritable(False)  # vLLM's own children must not hold the port
     return sock
 

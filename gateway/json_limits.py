@@ -12,11 +12,11 @@ What the decoders and the engine cannot take, found by class rather than by fiel
   Unicode; vLLM fails with a 500 when it has to encode such a string (a stop string,
   bad_words, request_id).
 
-Cost on the hot path: one ``bytes.translate`` of the body into three classes (digit,
-opening bracket, other), one count and one substring search, all C loops (docs/architecture.md
-has the measured cost per chat body). Only a body with more than `MAX_DEPTH` opening
-brackets, or a run of 19 digits (strings included), is looked at closely, and only a real
-offender is refused: the error names the field (``param``) and the limit. Lone surrogates,
+Cost on the hot path: one compiled pass (gateway/_json_scan.c `scan`) that counts the
+nesting and finds runs of 19 digits outside strings, jumping over each string with memchr
+(docs/architecture.md has the measured cost per chat body). Only a body that nests too deep
+or holds such a run is looked at closely, and only a real offender is refused: the error
+names the field (``param``) and the limit. Lone surrogates,
 NaN/Infinity and numbers that overflow a double need no scan: msgspec refuses them while
 decoding (surrogates even in fields it skips; a float it skips reaches vLLM, which refuses
 an infinite value with a 400), and `explain_decode_error` then says which field holds them.
@@ -30,6 +30,21 @@ from collections.abc import Iterator
 from typing import Any
 
 from hpcserve.gateway.errors import APIError, bad_request
+
+try:
+    from hpcserve.gateway import _json_scan  # type: ignore[attr-defined]  # compiled
+except ImportError as exc:  # a source tree that was never installed
+    raise ImportError(
+        "hpcserve.gateway._json_scan (gateway/_json_scan.c) is not built: run "
+        "`pip install -e .` in the hpcserve checkout (it needs gcc and the Python headers)"
+    ) from exc
+
+_API_VERSION = 1  # gateway/_json_scan.c's JSON_SCAN_API_VERSION
+if (_built := getattr(_json_scan, "API_VERSION", None)) != _API_VERSION:
+    raise ImportError(
+        f"hpcserve.gateway._json_scan is a stale build (API {_built}, this code needs "
+        f"{_API_VERSION}): run `pip install -e .` again to rebuild it"
+    )
 
 MAX_DEPTH = 128  # JSON arrays/objects inside each other; vLLM's own schema limit is 64
 INT_MIN = -(2**63)
@@ -53,24 +68,26 @@ class _Huge(int):
 def check_body(body: bytes) -> None:
     """Raise a 400 APIError naming the field and the limit, or return (the body may still be
     invalid JSON or the wrong shape: the decoders report that)."""
-    shape = body.translate(_CLASSES)
-    if shape.count(b"[") > MAX_DEPTH:
-        depth = nesting_depth(body)
-        if depth > MAX_DEPTH:
-            raise APIError(
-                400,
-                f"Request body nests JSON arrays/objects {depth} levels deep; the limit is "
-                f"{MAX_DEPTH} levels",
-                code="nesting_too_deep",
-            )
-    if _LONG_NUMBER in shape:  # a substring search that skips ahead: sublinear
-        outside_strings = _outside_strings(body)
-        numbers = outside_strings.translate(_CLASSES)
-        if _LONG_NUMBER in numbers:  # a number of 19+ digits
-            if len(body) <= MAX_WALKED_BYTES:
-                check_values(body)  # names the field
-            else:
-                _check_numbers(outside_strings, numbers)
+    depth, long_number = _json_scan.scan(body)
+    if depth > MAX_DEPTH:
+        raise APIError(
+            400,
+            f"Request body nests JSON arrays/objects {depth} levels deep; the limit is "
+            f"{MAX_DEPTH} levels",
+            code="nesting_too_deep",
+        )
+    if long_number:  # a number of 19+ digits
+        if len(body) <= MAX_WALKED_BYTES:
+            check_values(body)  # names the field
+        else:
+            outside_strings = _outside_strings(body)
+            _check_numbers(outside_strings, outside_strings.translate(_CLASSES))
+
+
+def scan_reference(body: bytes) -> tuple[int, bool]:
+    """What `_json_scan.scan` computes, in Python: (nesting depth, whether a run of 19+
+    digits stands outside strings). The definition the compiled pass is tested against."""
+    return nesting_depth(body), _LONG_NUMBER in _outside_strings(body).translate(_CLASSES)
 
 
 def nesting_depth(body: bytes) -> int:

@@ -36,7 +36,7 @@ if [ -e /dev/nvidia0 ] || command -v nvidia-smi >/dev/null 2>&1; then engine=gpu
 extras="$engine,dev"
 stamp="$VENV/.hpcserve-installed"
 # setup.py and the C source too: an editable install rebuilds the extension only when reinstalled
-want="$(cat pyproject.toml setup.py contracts/_blockhash.c | sha256sum | cut -c1-16) $extras"
+want="$(cat pyproject.toml setup.py contracts/_blockhash.c gateway/_json_scan.c | sha256sum | cut -c1-16) $extras"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

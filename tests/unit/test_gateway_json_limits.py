@@ -220,6 +220,73 @@ def test_a_stream_that_opens_with_an_error_is_answered_as_that_error() -> None:
 )
 def test_brackets_inside_strings_do_not_nest(text: bytes, depth: int) -> None:
     assert json_limits.nesting_depth(text) == depth
+    assert json_limits._json_scan.scan(text) == (depth, False)
+
+
+# Text that tries the compiled pass's string skipping: escapes (also at a string's end),
+# quotes and brackets inside strings, long digit runs inside strings and out.
+_TRICKY_TEXT = st.text(
+    st.sampled_from(['"', "\\", "[", "]", "{", "}", "9", "0", " ", "\n", "é", "\U0001f600"]),
+    max_size=40,
+)
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _TRICKY_TEXT,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(_TRICKY_TEXT, children, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(_JSON_VALUES, st.integers(min_value=0, max_value=10**30))
+def test_the_compiled_scan_agrees_with_the_reference(value: object, number: int) -> None:
+    for body in (
+        json.dumps(value).encode(),
+        json.dumps({"v": value, "n": number}).encode(),
+        json.dumps([value, str(number)], ensure_ascii=False).encode(),
+    ):
+        assert json_limits._json_scan.scan(body) == json_limits.scan_reference(body), body
+
+
+@pytest.mark.parametrize(
+    ("text", "scanned"),
+    [
+        (b'"' + b"1" * 30 + b'"', (0, False)),  # a long run inside a string: no closer look
+        (b'{"a": "x", "n": ' + b"1" * 19 + b"}", (1, True)),
+        (b"[" + b"1" * 18 + b"]", (1, False)),
+        (b"-1234567890.1234567890123456789", (0, True)),  # a float's digits: looked at closely
+        (b'["abc\\', (1, False)),  # a string cut inside an escape
+        (b'["abc', (1, False)),  # a string never closed
+        (b'"\\"[[', (0, False)),  # an escaped quote keeps the string open
+        (b"]]]}", (0, False)),
+        (bytearray(b"[[1]]"), (2, False)),
+        (memoryview(b"[[1]]"), (2, False)),
+    ],
+)
+def test_the_compiled_scan_on_edges(text: bytes, scanned: tuple[int, bool]) -> None:
+    assert json_limits._json_scan.scan(text) == scanned
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"a":"' + b"\\n" * 50_000 + b'"}',  # escape after escape in one string
+        b'{"a":"' + b'\\"' * 50_000 + b'"}',  # escaped quotes: each takes the quote found
+        b'{"a":"' + b"a\\\\" * 30_000 + b'"}',  # escaped backslashes
+        b'"",' * 30_000,
+        b"[" * 100_000,
+        b"[" + b"1" * 100_000 + b"]",
+    ],
+    ids=["escapes", "escaped-quotes", "escaped-backslashes", "strings", "brackets", "digits"],
+)
+def test_the_compiled_scan_agrees_on_adversarial_bodies(body: bytes) -> None:
+    assert json_limits._json_scan.scan(body) == json_limits.scan_reference(body)
+
+
+def test_the_compiled_scan_takes_only_bytes_like_bodies() -> None:
+    with pytest.raises(TypeError):
+        json_limits._json_scan.scan("[[1]]")
 
 
 def test_a_body_too_big_to_walk_is_still_checked_for_integers() -> None:

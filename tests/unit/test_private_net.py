@@ -163,7 +163,7 @@ def test_vllms_socket_maker_returns_the_engines_socket_once() -> None:
     assert run.returncode == 0 and run.stdout == "ok\n", run.stderr[-3000:]
 
 
-def test_only_an_open_tcp_socket_is_adopted() -> None:
+def test_only_a_listening_tcp_socket_is_adopted() -> None:
     read, write = os.pipe()
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     tcp = socket.socket()
@@ -172,6 +172,10 @@ def test_only_an_open_tcp_socket_is_adopted() -> None:
             adopted_socket(read)
         with pytest.raises(ValueError, match=f"HPCSERVE_HTTP_FD={udp.fileno()}: not a TCP socket"):
             adopted_socket(udp.fileno())
+        with pytest.raises(ValueError, match=f"HPCSERVE_HTTP_FD={tcp.fileno()}: .* not listening"):
+            adopted_socket(tcp.fileno())
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
         adopted = adopted_socket(os.dup(tcp.fileno()))
         assert adopted.type == socket.SOCK_STREAM and not adopted.get_inheritable()
         adopted.close()
