@@ -26,16 +26,14 @@ import hashlib
 import sys
 from collections.abc import Sequence
 from functools import lru_cache
+from typing import Any
 
 import msgspec
 
-try:
-    from hpcserve.contracts import _blockhash  # type: ignore[attr-defined]  # compiled
-except ImportError as exc:  # a source tree that was never installed
-    raise ImportError(
-        "hpcserve.contracts._blockhash (contracts/_blockhash.c) is not built: run "
-        "`pip install -e .` in the hpcserve checkout (it needs gcc and the Python headers)"
-    ) from exc
+from hpcserve.contracts.compiled_extension import load_extension
+
+# contracts/_blockhash.c's BLOCKHASH_API_VERSION is 3.
+_blockhash: Any = load_extension("hpcserve.contracts._blockhash", "contracts/_blockhash.c", 3)
 
 HASH_MASK = (1 << 60) - 1
 
@@ -62,14 +60,6 @@ def chain_hashes_reference(tokens: Sequence[int], block_size: int, parent: int) 
         append(h)
     return out
 
-
-_API_VERSION = 3  # contracts/_blockhash.c's BLOCKHASH_API_VERSION
-_built = getattr(_blockhash, "API_VERSION", None)
-if _built != _API_VERSION:
-    raise ImportError(
-        f"hpcserve.contracts._blockhash is a stale build (API {_built}, this code needs "
-        f"{_API_VERSION}): run `pip install -e .` again to rebuild it"
-    )
 
 chain_hashes = _blockhash.chain_hashes
 """chain_hashes_reference, compiled: (tokens, block_size, parent) -> list[int]."""

@@ -29,22 +29,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from hpcserve.contracts.compiled_extension import load_extension
 from hpcserve.gateway.errors import APIError, bad_request
 
-try:
-    from hpcserve.gateway import _json_scan  # type: ignore[attr-defined]  # compiled
-except ImportError as exc:  # a source tree that was never installed
-    raise ImportError(
-        "hpcserve.gateway._json_scan (gateway/_json_scan.c) is not built: run "
-        "`pip install -e .` in the hpcserve checkout (it needs gcc and the Python headers)"
-    ) from exc
-
-_API_VERSION = 1  # gateway/_json_scan.c's JSON_SCAN_API_VERSION
-if (_built := getattr(_json_scan, "API_VERSION", None)) != _API_VERSION:
-    raise ImportError(
-        f"hpcserve.gateway._json_scan is a stale build (API {_built}, this code needs "
-        f"{_API_VERSION}): run `pip install -e .` again to rebuild it"
-    )
+# gateway/_json_scan.c's JSON_SCAN_API_VERSION is 1.
+_json_scan: Any = load_extension("hpcserve.gateway._json_scan", "gateway/_json_scan.c", 1)
 
 MAX_DEPTH = 128  # JSON arrays/objects inside each other; vLLM's own schema limit is 64
 INT_MIN = -(2**63)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -305,3 +307,15 @@ def test_a_streamed_completion_with_echo_logprobs_and_n_is_refused() -> None:
     assert refused("/v1/completions", body).param == "echo"
     validate.parse("/v1/completions", body.replace(b'"n": 2', b'"n": 1'))
     validate.parse("/v1/completions", body.replace(b'"stream": true', b'"stream": false'))
+
+
+def test_a_stale_json_scan_build_names_the_fix() -> None:
+    code = (
+        "import sys, types\n"
+        "sys.modules['hpcserve.gateway._json_scan'] = types.ModuleType('stale')\n"
+        "import hpcserve.gateway.json_limits\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("ImportError")
+    assert "_json_scan is a stale build (API None, this code needs 1)" in result.stderr
