@@ -1,6 +1,7 @@
 """What is still running, read from /proc."""
 
 import os
+import time
 from pathlib import Path
 
 
@@ -70,3 +71,33 @@ def job_cgroup_processes(job_id: int) -> list[str]:
         if f"/job_{job_id}/" in cgroups and fields and fields[0] not in ("Z", "X"):
             found.append(_describe(entry.name))
     return found
+
+
+def _cpu_ticks() -> dict[str, int]:
+    """utime + stime of every process, by pid."""
+    ticks = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        fields = raw[raw.rfind(")") + 2 :].split()
+        ticks[entry.name] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def busiest_processes(window_s: float = 1.0, top: int = 10) -> str:
+    """The `top` processes that used the most CPU over the next `window_s`, one a line with
+    their share of one core: for a failure's message, when a test's timing depends on this
+    host's load."""
+    before, started = _cpu_ticks(), time.monotonic()
+    time.sleep(window_s)
+    after, window_s = _cpu_ticks(), time.monotonic() - started
+    hz = os.sysconf("SC_CLK_TCK")
+    used = sorted(((after[pid] - before.get(pid, 0), pid) for pid in after), reverse=True)[:top]
+    return "\n".join(
+        f"{100 * ticks / hz / window_s:5.0f}% {_describe(pid).replace(chr(10), ' ')[:160]}"
+        for ticks, pid in used
+    )

@@ -27,7 +27,12 @@ from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.stack import Stack
 from hpcserve.tinymodels import make_tiny_model
 from tests.integration.slurm_helpers import conf_processes, free_port_block
-from tests.processes import job_cgroup_processes, processes_mentioning, session_processes
+from tests.processes import (
+    busiest_processes,
+    job_cgroup_processes,
+    processes_mentioning,
+    session_processes,
+)
 from tests.services import metrics_headers, stack_config
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -40,7 +45,7 @@ RERANK = "tiny-rerank"
 ADAPTERS = {"docs-a": 1, "docs-b": 2, "docs-c": 3}  # name -> seed
 # At most 4 sequences running: a queue forms, in which priority counts (issue 10).
 CHAT_ENGINE_ARGS = [
-    "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "4",
+    "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--max-num-seqs", "4",
 ]  # fmt: skip
 
 
@@ -80,7 +85,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Pla
     # One replica: hints are skipped by default (nothing to choose); the KV-routing test
     # below checks their hashes against vLLM's own, so they are sent anyway.
     gateway = msgspec.structs.replace(config.gateway, prefix_hints_min_replicas=1)
-    config = msgspec.structs.replace(config, gateway=gateway)
+    # The priority test counts the chat engine's queue exactly; a generation probe (one every
+    # 10 s by default, at the interactive priority) would be counted in it. The probes have
+    # their own tests (tests/integration/test_health*.py).
+    health = msgspec.structs.replace(config.health, probe_interval_s=3600.0)
+    config = msgspec.structs.replace(config, gateway=gateway, health=health)
     config = with_default_curve_dir(config)  # CURVE in <state>/curve, as loading it gives
     (state / "hpcserve.toml").write_text(dump_config(config))
     (state / "demo-api-key").write_text(API_KEY + "\n")
@@ -746,22 +755,29 @@ def test_kv_events_from_vllm_fill_the_index_and_a_repeated_prompt_hits_it(
 # -- Batch API (issue 10): engines schedule by priority, batch after interactive -------------
 
 
-async def _completion_order(
-    url: str, batch: int, max_tokens: int, token: str
-) -> tuple[list[str], bool]:
-    """Sends `batch` requests at the batch priority straight to the engine, then, once they
-    queue there, one at the interactive priority. Returns the order in which their answers
-    came, and whether the engine's queue was seen holding the interactive request behind
-    all the queued batch requests (what makes the order a test of the policy).
+async def _completion_order(url: str, token: str) -> tuple[list[str], bool, str]:
+    """Fills the engine's 4 running slots with long batch requests, queues 8 short batch
+    requests behind them, then one short interactive request; all straight to the engine.
+    Returns the order in which their answers came, whether the engine's queue was seen
+    holding the interactive request behind all 8 queued batch requests (what makes the order
+    a test of the policy), and a trace of what the engine's gauges showed, when each answer
+    came and which processes were busy, for a failure's message.
 
-    Whole answers, not streams: the engine runs the requests in waves of 4, and a wave's
-    answers come together, seconds before the next wave's, where the first token of a
-    stream comes whenever a busy host lets the API server and this client read it. Whether
-    the experiment happened as planned is read from the engine's own gauge, not assumed: on
-    a loaded host the client may send the requests late, one by one."""
+    Each step waits for the engine's own gauges to show it, exactly (a request left over
+    from an earlier test would make a count hold without the one it waits for): on a loaded
+    host the API server may pass the requests on seconds late, one by one. The first wave is
+    long (4,000 tokens) so that the rest reach the queue while it runs. Whole answers, not
+    streams: a wave's answers come together, a second before the next wave's, where a
+    stream's first token comes whenever a busy host lets the API server and this client
+    read it."""
     order: list[str] = []
+    trace: list[str] = []
+    started = time.monotonic()
 
-    async def chat(http: httpx.AsyncClient, name: str, priority: str) -> None:
+    def note(event: str) -> None:
+        trace.append(f"{time.monotonic() - started:6.2f}s {event}")
+
+    async def chat(http: httpx.AsyncClient, name: str, priority: str, max_tokens: int) -> None:
         body = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"Extract document {name}"}]}  # fmt: skip
         response = await http.post(
@@ -770,28 +786,42 @@ async def _completion_order(
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == max_tokens
         order.append(name)
+        note(f"answer {name}")
 
-    async def queue_reaches(
-        http: httpx.AsyncClient, waiting: int, tasks: list[asyncio.Task[None]]
+    def send(http: httpx.AsyncClient, name: str, priority: str, tokens: int) -> asyncio.Task[None]:
+        note(f"send {name}")
+        return asyncio.create_task(chat(http, name, ENGINE_PRIORITY[priority], tokens))
+
+    async def queue_is(
+        http: httpx.AsyncClient, running: int, waiting: int, tasks: list[asyncio.Task[None]]
     ) -> bool:
+        last = None
         while not all(task.done() for task in tasks):
             metrics = (await http.get(url + "/metrics")).text
-            if _engine_gauge(metrics, "waiting") >= waiting:
+            now = (_engine_gauge(metrics, "running"), _engine_gauge(metrics, "waiting"))
+            if now != last:
+                note(f"engine: {now[0]:.0f} running, {now[1]:.0f} waiting")
+                last = now
+            if now == (running, waiting):
                 return True
             await asyncio.sleep(0.02)
         return False
 
     # Straight to the engine, which answers only the stack's callers: the engine token.
-    async with httpx.AsyncClient(timeout=120, headers=auth_headers(token)) as http:
-        queued = [
-            asyncio.create_task(chat(http, f"batch-{i}", ENGINE_PRIORITY["batch"]))
-            for i in range(batch)
-        ]
-        seen = await queue_reaches(http, batch - 4, queued)
-        interactive = asyncio.create_task(chat(http, "interactive", ENGINE_PRIORITY["interactive"]))
-        seen = seen and await queue_reaches(http, batch - 3, [*queued, interactive])
-        await asyncio.gather(*queued, interactive)
-    return order, seen
+    async with httpx.AsyncClient(timeout=300, headers=auth_headers(token)) as http:
+        idle = asyncio.create_task(asyncio.sleep(120))
+        seen = await queue_is(http, 0, 0, [idle])  # nothing left over from earlier tests
+        idle.cancel()
+        tasks = [send(http, f"batch-{i}", "batch", 4000) for i in range(4)]
+        load = asyncio.create_task(asyncio.to_thread(busiest_processes, 2.0))
+        seen = seen and await queue_is(http, 4, 0, tasks)
+        tasks += [send(http, f"batch-{i}", "batch", 500) for i in range(4, 12)]
+        seen = seen and await queue_is(http, 4, 8, tasks)
+        tasks.append(send(http, "interactive", "interactive", 500))
+        seen = seen and await queue_is(http, 4, 9, tasks)
+        await asyncio.gather(*tasks)
+    trace.append(f"the busiest processes over 2 s from the first wave:\n{await load}")
+    return order, seen, "\n".join(trace)
 
 
 def _engine_gauge(metrics: str, what: str) -> float:
@@ -810,21 +840,20 @@ def test_an_interactive_request_overtakes_queued_batch_requests_on_vllm(
     url = next(r.url for r in replicas if r.model == MODEL)
     # The pool's default scheduling policy is priority; 4 run at once, 8 batch requests wait.
     token = read_token(config.engine_token_path())
-    # A wave of 4 runs for seconds (960 tokens, the model's length less the prompt's): all
-    # batch requests and then the interactive one reach the engine's queue while the first
-    # wave runs. Where this host's load kept the queue from being seen so (the first wave
-    # ended first, or the API server fell behind), the run says nothing: it is run again.
-    for _ in range(3):
-        order, queued_behind = asyncio.run(
-            _completion_order(url, batch=12, max_tokens=960, token=token)
-        )
+    # Where this host's load kept the queue from being seen as planned (the first wave ended
+    # first, or the API server fell behind), the run says nothing: it is run again.
+    for _ in range(5):
+        order, queued_behind, trace = asyncio.run(_completion_order(url, token))
         if queued_behind:
             break
-    assert queued_behind, f"3 runs, none saw the interactive request queued: {order}"
+    # pytest.fail, not assert: pytest would cut the trace to its first lines.
+    if not queued_behind:
+        pytest.fail(f"5 runs, none saw the interactive request queued:\n{trace}")
     assert sorted(order) == sorted(["interactive", *(f"batch-{i}" for i in range(12))])
     # First come, first served would run it last, alone, after the 8 queued before it;
     # priority runs it in the second wave: the 5 batch requests left waiting end after it.
-    assert len(order) - 1 - order.index("interactive") >= 4, order
+    if len(order) - 1 - order.index("interactive") < 4:
+        pytest.fail(f"the interactive request did not overtake the batch requests:\n{trace}")
 
 
 def test_status_shows_the_job_and_the_replica(stack: tuple[Stack, PlatformConfig]) -> None:
