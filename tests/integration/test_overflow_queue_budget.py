@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from starlette.testclient import TestClient
@@ -40,6 +41,17 @@ def chat(max_tokens: int) -> dict[str, object]:
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": max_tokens,
     }
+
+
+def engine_running(url: str) -> float:
+    """The engine's own `vllm:num_requests_running`."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    name = "vllm:num_requests_running"
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith((name + "{", name + " "))
+    )
 
 
 def auth(tenant: str) -> dict[str, str]:
@@ -126,7 +138,10 @@ def test_over_the_queue_budget_overflows_if_allowed_and_queues_if_data_resident(
         started = time.monotonic()
         (replica,) = router.registry
         running = [pool.submit(post, "open", 150)]
-        wait_for("the long request to run", lambda: replica.load.running >= 1)
+        # Asked of the engine, not of the router's view: a heartbeat taken while the request
+        # above ran (one every 0.25 s) would pass for this one running, and the short one
+        # below would go first.
+        wait_for("the long request to run", lambda: engine_running(replica.spec.url) >= 1)
         running.append(pool.submit(post, "open", 2))
         wait_for("the engine to report a queue", lambda: replica.load.waiting >= 1)
         # Nothing has completed for 0.4 s: the router reckons each completion takes as long.
