@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.results import ROOT, command, write_results
+from bench.results import RESULTS_DIR_ENV, ROOT, command, write_results
 
 
 def test_results_keep_their_keys_under_one_meta_block(
@@ -34,6 +34,17 @@ def test_extra_meta_overrides_and_a_meta_key_in_results_is_refused(tmp_path: Pat
     with pytest.raises(ValueError, match="'meta' is written by write_results"):
         write_results("z", {"meta": {}}, directory=tmp_path)
     assert not (tmp_path / "z.json").exists()
+
+
+def test_the_suites_results_directory_wins_over_a_benchmarks_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # bench/suite.py's bounded runs must not overwrite the full runs in bench/results/,
+    # whatever directory (an --out default) the benchmark names.
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "suite"))
+    path = write_results("w", {"rows": []}, directory=tmp_path / "own")
+    assert path == tmp_path / "suite" / "w.json" and path.exists()
+    assert not (tmp_path / "own").exists()
 
 
 def test_command_outside_the_repository_keeps_the_path() -> None:
