@@ -24,13 +24,19 @@ def processes_mentioning(text: str) -> list[str]:
 # or environment misses exactly the processes that hold the memory (and, on a GPU, the GPU).
 
 
-def _stat(pid: str) -> list[str]:
-    """[state, ppid, pgid, sid] of a process, [] if it is gone."""
+def _stat_fields(pid: str) -> list[str]:
+    """A process's /proc stat fields from its state on (state, ppid, pgid, sid, ...,
+    utime, stime at 11 and 12), [] if it is gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes().decode(errors="replace")
     except OSError:
         return []
-    return raw[raw.rfind(")") + 2 :].split()[:4]
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def _stat(pid: str) -> list[str]:
+    """[state, ppid, pgid, sid] of a process, [] if it is gone."""
+    return _stat_fields(pid)[:4]
 
 
 def _describe(pid: str) -> str:
@@ -77,14 +83,8 @@ def _cpu_ticks() -> dict[str, int]:
     """utime + stime of every process, by pid."""
     ticks = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = (entry / "stat").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        fields = raw[raw.rfind(")") + 2 :].split()
-        ticks[entry.name] = int(fields[11]) + int(fields[12])
+        if entry.name.isdigit() and (fields := _stat_fields(entry.name)):
+            ticks[entry.name] = int(fields[11]) + int(fields[12])
     return ticks
 
 
