@@ -72,6 +72,10 @@ class EmbeddedRouting:
         self._thread: threading.Thread | None = None
         self._viewer: asyncio.Task[None] | None = None
         self._batch: list[tuple[p.Route, asyncio.Future[p.RouteReply]]] = []
+        # Replicas routed to and not released yet (a prefill and its decode count two): with
+        # none, no other request of this gateway is past its Route, and a decision waits
+        # for no batch (see _decided). A heuristic only: a count off by some costs time.
+        self._unreleased = 0
 
     async def start(self) -> None:
         self._thread = threading.Thread(target=self._serve, name="embedded-router", daemon=True)
@@ -142,8 +146,15 @@ class EmbeddedRouting:
         """The Route's reply, decided with the others of this loop iteration: each
         request's task runs its steps up to here, then the decisions run together under
         one lock, as a router process answers a batch (one message of many Routes) at
-        concurrency; a request's whole path run at once, parse to relay, costs more."""
+        concurrency; a request's whole path run at once, parse to relay, costs more.
+        When no other routed request is in flight (concurrency 1), there is no batch to
+        wait for: the decision runs now, and the request does not pass through two more
+        loop iterations (docs/benchmarks.md, "The decision at once when alone")."""
         future: asyncio.Future[p.RouteReply] = asyncio.get_running_loop().create_future()
+        if self._unreleased <= 0 and not self._batch:
+            with self.server.lock:
+                self._decide(route, future)
+            return future
         self._batch.append((route, future))
         if len(self._batch) == 1:
             asyncio.get_running_loop().call_soon(self._decide_batch)
@@ -151,29 +162,35 @@ class EmbeddedRouting:
 
     def _decide_batch(self) -> None:
         batch, self._batch = self._batch, []
-        server = self.server
-        with server.lock:
+        with self.server.lock:
             for route, future in batch:
-                try:
-                    reply = server.handle(route)
-                    assert isinstance(reply, p.RouteReply)
-                except Exception as err:  # a bug must cost this request a 503, not a hang
-                    log.exception("embedded router: Route for %s failed", route.model)
-                    if not future.done():
-                        future.set_exception(RouterUnavailable(f"embedded router: {err!r}"))
-                    continue
-                if not future.done():
-                    future.set_result(reply)
-                    continue
-                # Its request gave up meanwhile (client gone): counted, so released.
-                for replica_id in (reply.replica_id, reply.prefill_replica_id):
-                    if replica_id:
-                        server.handle(p.Release(replica_id, route.model))
+                self._decide(route, future)
+
+    def _decide(self, route: p.Route, future: asyncio.Future[p.RouteReply]) -> None:
+        """One Route, under the server's lock."""
+        server = self.server
+        try:
+            reply = server.handle(route)
+            assert isinstance(reply, p.RouteReply)
+        except Exception as err:  # a bug must cost this request a 503, not a hang
+            log.exception("embedded router: Route for %s failed", route.model)
+            if not future.done():
+                future.set_exception(RouterUnavailable(f"embedded router: {err!r}"))
+            return
+        if not future.done():
+            self._unreleased += bool(reply.replica_id) + bool(reply.prefill_replica_id)
+            future.set_result(reply)
+            return
+        # Its request gave up meanwhile (client gone): counted, so released.
+        for replica_id in (reply.replica_id, reply.prefill_replica_id):
+            if replica_id:
+                server.handle(p.Release(replica_id, route.model))
 
     def release(self, replica_id: str, model: str = "") -> None:
         """A routed request finished (`model`: what it asked for; the router counts LoRA
         adapters in flight)."""
         self.view.released(replica_id)
+        self._unreleased -= 1
         self._handle(p.Release(replica_id, model))
 
     async def sync_quota(self, gateway_id: str, usage: list[p.TenantUsage]) -> p.QuotaTotals:

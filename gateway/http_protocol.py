@@ -10,11 +10,16 @@ the head is held and written with the next write, or at the end of the loop iter
 when none comes in it (a stream whose first event is still at the engine), so nothing is
 delayed past the iteration that produced it. Writes keep their order; closing the
 connection writes what is held first.
+
+It also tells a streaming app that its client has gone without a task of its own watching
+`receive()` for http.disconnect: each request's scope holds the connection's
+ConnectionLoss under CONNECTION_LOST.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -22,6 +27,32 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 # What uvicorn's head write starts with (its STATUS_LINE table); a body that happens to start
 # so is held the same way, still in order.
 _HEAD = b"HTTP/1.1 "
+# The scope key of a request's ConnectionLoss.
+CONNECTION_LOST = "hpcserve.connection_lost"
+
+
+class ConnectionLoss:
+    """A connection's loss as its requests see it: `happened`, and callbacks called once
+    when it happens."""
+
+    __slots__ = ("_callbacks", "happened")
+
+    def __init__(self) -> None:
+        self.happened = False
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        self._callbacks.add(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+    def lost(self) -> None:
+        self.happened = True
+        callbacks = list(self._callbacks)
+        self._callbacks.clear()
+        for callback in callbacks:
+            callback()
 
 
 class OneSendTransport:
@@ -76,5 +107,14 @@ class OneSendHttpProtocol(HttpToolsProtocol):
     uvicorn.Config(http=...))."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._loss = ConnectionLoss()
         wrapped = OneSendTransport(cast(asyncio.Transport, transport), self.loop)
         super().connection_made(cast(asyncio.Transport, wrapped))
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[CONNECTION_LOST] = self._loss  # type: ignore[literal-required]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._loss.lost()

@@ -154,6 +154,41 @@ def test_routes_of_one_loop_iteration_are_decided_together_and_a_gone_one_is_rel
     asyncio.run(scenario())
 
 
+def test_a_route_alone_is_decided_in_its_call_and_one_beside_others_with_the_batch() -> None:
+    config = loopback_router_config(lease_s=600.0)
+    server = bound_router(config)
+    routing = EmbeddedRouting(server)
+    agent = RegistryAgent(config.registry_bind, p.Register("r1", "chat", "http://127.0.0.1:9"))
+
+    async def scenario() -> None:
+        await routing.start()
+        try:
+            agent.register()
+            await asyncio.to_thread(agent.process_replies, REPLY_S)
+            # Nothing routed is in flight (concurrency 1): no batch to wait for.
+            alone = routing._decided(p.Route(1, "chat"))
+            assert alone.done() and alone.result().replica_id == "r1"
+            # With it in flight, the next waits for its iteration's batch.
+            beside = routing._decided(p.Route(2, "chat"))
+            assert not beside.done()
+            assert (await beside).replica_id == "r1"
+            routing.release("r1", "chat")
+            routing.release("r1", "chat")
+            again = routing._decided(p.Route(3, "chat"))
+            assert again.done(), "both released: alone again"
+            routing.release("r1", "chat")
+            replica = server.registry.get("r1")
+            assert replica is not None and replica.in_flight == 0
+            # A Route that finds no replica leaves nothing in flight.
+            assert routing._decided(p.Route(4, "nobody")).result().replica_id == ""
+            assert routing._decided(p.Route(5, "chat")).done()
+        finally:
+            await routing.close()
+            agent.close()
+
+    asyncio.run(scenario())
+
+
 class FailingRouter:
     """An EmbeddableRouter whose loop fails at once."""
 

@@ -1,6 +1,8 @@
 """The gateway's HTTP protocol (gateway/http_protocol.py): a response head is held for the
 next write and leaves with it in one send, or alone at the end of the loop iteration; on a
-real socket pair, then through a real uvicorn server with the httpx client."""
+real socket pair, then through a real uvicorn server with the httpx client. A connection's
+loss reaches what a request watches of it (ConnectionLoss), and the gateway's stream relay
+ends on it in its own task (app.py _send_response)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,16 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from starlette.background import BackgroundTask
+from starlette.responses import StreamingResponse
 
-from hpcserve.gateway.http_protocol import OneSendHttpProtocol, OneSendTransport
+from hpcserve.gateway.app import _send_response
+from hpcserve.gateway.http_protocol import (
+    CONNECTION_LOST,
+    ConnectionLoss,
+    OneSendHttpProtocol,
+    OneSendTransport,
+)
 from tests.ports import free_port
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n"
@@ -105,6 +115,14 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     path = scope["path"]
     if path == "/fail":
         raise RuntimeError("an app bug: uvicorn answers 500")
+    if path == "/watched":
+        loss: ConnectionLoss = scope[CONNECTION_LOST]
+        loss.watch(app.lost.set)  # type: ignore[attr-defined]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await app.lost.wait()  # type: ignore[attr-defined]
+        assert loss.happened
+        return
     if path == "/stream":
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await app.gate.wait()  # type: ignore[attr-defined]
@@ -122,6 +140,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 def test_through_uvicorn_answers_streams_and_errors_are_whole() -> None:
     async def main() -> None:
         app.gate = asyncio.Event()  # type: ignore[attr-defined]
+        app.lost = asyncio.Event()  # type: ignore[attr-defined]
         port = free_port()
         config = uvicorn.Config(
             app,
@@ -149,6 +168,14 @@ def test_through_uvicorn_answers_streams_and_errors_are_whole() -> None:
                 failed = await client.get("/fail")
                 assert failed.status_code == 500
                 assert (await client.post("/echo", content=b"after")).content == b"after"
+            # A client that goes mid-stream: what its request watches is called.
+            async with (
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+                client.stream("GET", "/watched") as streamed,
+            ):
+                async for _ in streamed.aiter_bytes():
+                    break
+            await asyncio.wait_for(app.lost.wait(), 10)  # type: ignore[attr-defined]
         finally:
             server.should_exit = True
             await asyncio.wait_for(serving, 10)
@@ -166,3 +193,102 @@ def test_anything_that_starts_like_a_head_is_held_and_kept_in_order(data: bytes)
         assert await received(peer, len(data) + 2) == bytes(data) + b"xy"
 
     asyncio.run(on_a_socket_pair(body))
+
+
+class Relayed:
+    """A stream the relay sends on: its chunks, how it ended (the BackgroundTask's status)
+    and whether the engine's side was closed."""
+
+    def __init__(self, chunks: int, wait: asyncio.Event | None = None) -> None:
+        self.chunks, self.wait = chunks, wait
+        self.sent: list[dict[str, Any]] = []
+        self.finished: list[int] = []
+        self.engine_closed = False
+
+    async def body(self) -> Any:
+        status = 200
+        try:
+            for i in range(self.chunks):
+                yield b"data: %d\n\n" % i
+                if self.wait is not None:
+                    await self.wait.wait()
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            self.engine_closed = True
+            self.finished.append(status)
+
+    def response(self) -> StreamingResponse:
+        return StreamingResponse(self.body(), background=BackgroundTask(self.finished.append, 0))
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+async def never_receive() -> dict[str, Any]:
+    await asyncio.Event().wait()
+    return {}
+
+
+def test_a_stream_is_relayed_whole_in_the_requests_task_when_its_client_stays() -> None:
+    async def main() -> None:
+        relayed, loss = Relayed(3), ConnectionLoss()
+        await _send_response(
+            relayed.response(), {CONNECTION_LOST: loss}, never_receive, relayed.send
+        )
+        bodies = [m["body"] for m in relayed.sent if m["type"] == "http.response.body"]
+        assert bodies == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
+        assert relayed.finished == [200, 0]
+        assert not loss._callbacks, "nothing left watching the connection"
+
+    asyncio.run(main())
+
+
+def test_a_lost_connection_ends_the_stream_as_499_and_leaves_the_task_uncancelled() -> None:
+    async def main() -> None:
+        relayed, loss = Relayed(3, wait=asyncio.Event()), ConnectionLoss()
+        scope = {CONNECTION_LOST: loss}
+        request = asyncio.create_task(
+            _send_response(relayed.response(), scope, never_receive, relayed.send)
+        )
+        await asyncio.sleep(0.05)
+        loss.lost()
+        done, _ = await asyncio.wait({request}, timeout=5)
+        assert request in done, "the loss did not end the stream"
+        assert not request.cancelled() and request.exception() is None
+        assert request.cancelling() == 0
+        assert relayed.finished == [499, 0] and relayed.engine_closed
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_client_went_before_it_began_is_cancelled_by_the_watcher() -> None:
+    async def main() -> None:
+        relayed, loss = Relayed(3, wait=asyncio.Event()), ConnectionLoss()
+        loss.lost()
+
+        async def gone() -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+        scope = {CONNECTION_LOST: loss}
+        await asyncio.wait_for(_send_response(relayed.response(), scope, gone, relayed.send), 5)
+        assert relayed.finished == [499, 0] and relayed.engine_closed
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_requests_task_itself_still_cancels_it() -> None:
+    async def main() -> None:
+        relayed, loss = Relayed(3, wait=asyncio.Event()), ConnectionLoss()
+        scope = {CONNECTION_LOST: loss}
+        task = asyncio.create_task(
+            _send_response(relayed.response(), scope, never_receive, relayed.send)
+        )
+        await asyncio.sleep(0.05)
+        task.cancel()  # a server shutting down, say: not the client's going
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert relayed.finished[:1] == [499] and not loss._callbacks
+
+    asyncio.run(main())
