@@ -24,6 +24,10 @@ Targets, interleaved, medians of ROUNDS:
             a Route is a call, no router process; the gateway's CPU includes the router's)
   sglang-router, vllm-router  the Rust routers' cache_aware policy, when `--rust-venv` names
             a virtual environment they are installed in (never the project's)
+  FEATURE@base  with `--baseline DIR`: each selected gateway but the plain relay once more,
+            from the hpcserve package in DIR (another commit, installed there by
+            bench/baseline_package.sh), in the same rounds: an A/B of two versions of the code
+            that the host's drift between runs does not skew
 Bodies (the default, `--bodies chat`): chat requests of 1k-4k tokens for a realistic
 tokenizer (byte-level BPE, 32k entries, trained here on generated text, Llama-3 special tokens
 and chat template): 16 conversations over 4 shared system prompts with multi-turn histories;
@@ -46,7 +50,7 @@ table.
     .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
         [--upstream nginx|python] [--only relay,tracing] [--bodies chat|small]
         [--cases chat1,chat,stream1,stream,repeat] [--rust-venv DIR] [--router-core 0]
-        [--gateway-http one-send|httptools]
+        [--gateway-http one-send|httptools] [--baseline DIR]
 
 Needs wrk (Debian package `wrk`) and, by default, nginx (`nginx-light`). Prints a markdown
 table and writes bench/results/proxy_overhead.json.
@@ -73,6 +77,10 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# A FEATURE@base gateway (--baseline): its hpcserve package comes before this checkout's.
+BASELINE_ENV = "HPCSERVE_BENCH_BASELINE"
+if os.environ.get(BASELINE_ENV):
+    sys.path.insert(0, os.environ[BASELINE_ENV])
 
 from bench.http_wait import wait_http  # noqa: E402
 from bench.results import write_results  # noqa: E402
@@ -642,6 +650,13 @@ def main() -> None:
         "in one send) or httptools (uvicorn's: head and body in two sends), for an A/B",
     )
     parser.add_argument(
+        "--baseline",
+        default="",
+        help="a directory holding the hpcserve package of another commit "
+        "(bench/baseline_package.sh REV DIR): every selected gateway but the plain relay also "
+        "runs from it, as FEATURE@base, in the same rounds",
+    )
+    parser.add_argument(
         "--serve-gateway",
         nargs=5,
         metavar=("CONFIG", "FEATURE", "UPSTREAM", "MODEL_DIR", "HTTP"),
@@ -662,10 +677,12 @@ def main() -> None:
     py = sys.executable
     only = [t for t in args.only.split(",") if t]
 
-    def spawn(argv: list[str], core: str) -> subprocess.Popen[bytes]:
+    def spawn(
+        argv: list[str], core: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
             ["taskset", "-c", core, *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, env=env,
         )  # fmt: skip
         procs.append(proc)
         return proc
@@ -722,44 +739,53 @@ def main() -> None:
             args.router_core,
         )
         targets: dict[str, tuple[str, int]] = {"direct": (upstream, 0)}
-        embedded_router_cfg: dict[str, object] = {}
+        embedded_registries: list[str] = []
+        variants = [("", None)]
+        if args.baseline:
+            baseline = str(Path(args.baseline).resolve())
+            variants.append(("@base", {**os.environ, BASELINE_ENV: baseline}))
         for feature in FEATURES:
             if only and feature not in only:
                 continue
-            port = free_port()
-            limits = (
-                {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
-                if FEATURES.index(feature) >= FEATURES.index("quotas")
-                else {}
-            )
-            cfg = parse_config(
-                {
-                    **state,
-                    "router": router_cfg,
-                    "gateway": {
-                        "port": port,
-                        "api_keys": keys,
-                        "tenants": [{"name": "bench", **limits}],
-                    },
-                }
-            )
-            if feature == "embedded":  # its own router, in the gateway's process
-                embedded_router_cfg = {
-                    **router_cfg,
-                    "registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                    "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-                }
-                cfg = msgspec.structs.replace(
-                    cfg, router=parse_config({**state, "router": embedded_router_cfg}).router
+            for suffix, env in variants:
+                if suffix and feature == "relay":
+                    continue
+                port = free_port()
+                limits = (
+                    {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
+                    if FEATURES.index(feature) >= FEATURES.index("quotas")
+                    else {}
                 )
-            path = work / f"gateway-{feature}.toml"
-            path.write_text(dump_config(cfg))
-            proc = spawn(
-                [py, str(ROOT / "bench" / "proxy_overhead.py"), "--serve-gateway", str(path),
-                 feature, upstream, model_dir, args.gateway_http],
-                "0",
-            )  # fmt: skip
-            targets[feature] = (f"http://127.0.0.1:{port}", proc.pid)
+                cfg = parse_config(
+                    {
+                        **state,
+                        "router": router_cfg,
+                        "gateway": {
+                            "port": port,
+                            "api_keys": keys,
+                            "tenants": [{"name": "bench", **limits}],
+                        },
+                    }
+                )
+                if feature == "embedded":  # its own router, in the gateway's process
+                    embedded_router_cfg = {
+                        **router_cfg,
+                        "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+                        "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+                    }
+                    embedded_registries.append(str(embedded_router_cfg["registry_bind"]))
+                    cfg = msgspec.structs.replace(
+                        cfg, router=parse_config({**state, "router": embedded_router_cfg}).router
+                    )
+                path = work / f"gateway-{feature}{suffix}.toml"
+                path.write_text(dump_config(cfg))
+                proc = spawn(
+                    [py, str(ROOT / "bench" / "proxy_overhead.py"), "--serve-gateway", str(path),
+                     feature, upstream, model_dir, args.gateway_http],
+                    "0",
+                    env,
+                )  # fmt: skip
+                targets[feature + suffix] = (f"http://127.0.0.1:{port}", proc.pid)
         rust_versions: dict[str, str] = {}
         if args.rust_venv:
             for name in RUST_ROUTERS:
@@ -792,9 +818,7 @@ def main() -> None:
             wait_http(url + ("/v1/models" if feature == "relay" else "/health"), 60)
 
         # Two replicas (one upstream): prefix hints are skipped for a model with one.
-        registries = [router_cfg["registry_bind"]]
-        if "embedded" in targets:
-            registries.append(embedded_router_cfg["registry_bind"])
+        registries = [router_cfg["registry_bind"], *embedded_registries]
         agents = [
             RegistryAgent(registry, p.Register(f"bench-{n}", MODEL, upstream))
             for registry in registries
@@ -835,7 +859,8 @@ def main() -> None:
                         fresh=case != "repeat",
                     )
                     # A gateway with a router process (+ embedded's is in its own).
-                    gateway = name in FEATURES and name not in ("relay", "embedded")
+                    feature = name.removesuffix("@base")
+                    gateway = feature in FEATURES and feature not in ("relay", "embedded")
                     cpu_before = cpu_seconds(pid) if pid else 0.0
                     router_before = cpu_seconds(router.pid) if gateway else 0.0
                     r = run_wrk(base + "/v1/chat/completions", script, conns, args.seconds)

@@ -111,6 +111,15 @@ BENCHMARKS: list[Benchmark] = [
         plot=Plot(x="case", y=["p50_ms"], group="target", ylabel="p50 latency (ms)", logy=True),
     ),
     Benchmark(
+        "gateway_instructions",
+        "Gateway instructions per request (callgrind) against the plain relay",
+        "bench/gateway_instructions.py --requests 100 --rounds 1",
+        "gateway_instructions.json",
+        timeout_s=300,
+        needs=["valgrind", "nginx"],
+        in_default=False,  # ~2 min of valgrind; for an A/B of two commits, see its --baseline
+    ),
+    Benchmark(
         "router_quality",
         "Routing quality on the simulated fleet (kv-aware, least-load, round-robin)",
         "bench/router_quality.py --replicas 8 --requests 60 --rate 6 "
