@@ -3,12 +3,15 @@ with `--baseline DIR`, against another commit's gateway: a count that the host's
 does not move, for changes too small for bench/proxy_overhead.py's timings to resolve on a
 shared machine.
 
-Targets, each its own process under `valgrind --tool=callgrind --instr-atstart=no` (started
-at full speed, counted only while measured):
+Targets (`--targets`, proxy_overhead's feature ladder), each its own process under
+`valgrind --tool=callgrind --instr-atstart=no` (started at full speed, counted only while
+measured):
   relay          bench/proxy_overhead.py's plain relay (Starlette + the gateway's HTTP client)
+  auth ... hints  proxy_overhead's rungs; from `routing` on, the router is a process of its
+                 own (not under valgrind: its instructions are not counted)
   embedded       the gateway with every feature on and the router in its process (as
                  proxy_overhead's `+ embedded`: auth, quotas, routing with prefix hints on the
-                 32k-entry tokenizer, metrics, audit log, usage records)
+                 32k-entry tokenizer, metrics, audit log, usage records): counted whole
   embedded@base  the same from the hpcserve package in DIR (bench/baseline_package.sh REV DIR)
 Upstream: proxy_overhead's nginx (a fixed completion, or its 16-event SSE stream). Per case
 (chat: a non-streamed chat request; stream: the same streamed) and round, each target gets
@@ -20,7 +23,7 @@ not the kernel's work for its syscalls, so this is the Python and native code of
 not its whole CPU time. Medians over `--rounds`.
 
     .venv/bin/python bench/gateway_instructions.py [--requests 300] [--rounds 2]
-        [--baseline DIR]
+        [--targets relay,auth,...,embedded] [--baseline DIR]
 
 Needs valgrind and nginx. Prints a markdown table and writes
 bench/results/gateway_instructions.json.
@@ -59,19 +62,26 @@ class Target:
     """One gateway (or the relay) under callgrind."""
 
     def __init__(self, name: str, feature: str, work: Path, upstream: str, model_dir: str,
-                 env: dict[str, str]) -> None:  # fmt: skip
+                 env: dict[str, str], router: dict[str, Any]) -> None:  # fmt: skip
+        """router: the router process's config, which an `embedded` target replaces by its
+        own in-process router's."""
         self.name = name
         self.port = free_port()
-        self.registry = f"tcp://127.0.0.1:{free_port()}"
-        router = {
-            "registry_bind": self.registry,
-            "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-            "metrics_port": 0,
-            "allow_plain_loopback": True,
-        }
-        limits = {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
+        if feature == "embedded":
+            router = {
+                **router,
+                "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+                "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+            }
+        self.registry = str(router["registry_bind"]) if feature == "embedded" else ""
+        rung = po.FEATURES.index("hints" if feature == "embedded" else feature)
+        limits = (
+            {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
+            if rung >= po.FEATURES.index("quotas")
+            else {}
+        )
         config = parse_config({
-            "state_dir": str(work / f"state-{name}"),
+            "state_dir": str(work / "state"),
             "router": router,
             "gateway": {"port": self.port,
                         "api_keys": [{"tenant": "bench", "sha256": hash_api_key(po.KEY)}],
@@ -149,6 +159,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
+        "--targets",
+        default="relay,embedded",
+        help=f"of {','.join(po.FEATURES)}: comma-separated (the relay is always measured)",
+    )
+    parser.add_argument(
         "--baseline",
         default="",
         help="a directory holding another commit's hpcserve package "
@@ -165,16 +180,37 @@ def main() -> None:
                               str(po.nginx_config(work, upstream_port))])  # fmt: skip
     upstream = f"http://127.0.0.1:{upstream_port}"
     model_dir = str(po.bench_model_dir(Path(tempfile.gettempdir())))
-    plans = [("relay", "relay", dict(os.environ)), ("embedded", "embedded", dict(os.environ))]
+    names = ["relay", *(t for t in args.targets.split(",") if t and t != "relay")]
+    unknown = [t for t in names if t not in po.FEATURES]
+    if unknown:
+        sys.exit(f"--targets: unknown {', '.join(unknown)} (of {', '.join(po.FEATURES)})")
+    plans = [(name, name, dict(os.environ)) for name in names]
     if args.baseline:
         base = str(Path(args.baseline).resolve())
         plans.append(("embedded@base", "embedded", {**os.environ, po.BASELINE_ENV: base}))
-    targets = [Target(name, feature, work, upstream, model_dir, env)
+    router = {
+        "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+        "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+        "metrics_port": 0,
+        "allow_plain_loopback": True,
+    }
+    processes: list[subprocess.Popen[bytes]] = []
+    if any(po.FEATURES.index(n) >= po.FEATURES.index("routing") for n in names if n != "embedded"):
+        path = work / "router.toml"
+        path.write_text(dump_config(parse_config({"state_dir": str(work / "state"),
+                                                  "router": router})))  # fmt: skip
+        processes.append(subprocess.Popen(
+            [sys.executable, "-m", "hpcserve.cli", "router", "--config", str(path)], cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        ))  # fmt: skip
+    targets = [Target(name, feature, work, upstream, model_dir, env, router)
                for name, feature, env in plans]  # fmt: skip
+    registries = {t.registry for t in targets if t.registry} | (
+        {router["registry_bind"]} if processes else set()
+    )
     agents = [
-        RegistryAgent(t.registry, p.Register(f"bench-{n}", po.MODEL, upstream))
-        for t in targets
-        if t.name != "relay"
+        RegistryAgent(registry, p.Register(f"bench-{n}", po.MODEL, upstream))
+        for registry in sorted(registries)
         for n in ("a", "b")  # two replicas: the prefix hints count
     ]
     stop = threading.Event()
@@ -194,9 +230,9 @@ def main() -> None:
     load_before = os.getloadavg()
     started = time.monotonic()
     try:
-        beat.start()
         for target in targets:
             wait_up(target.port, "/v1/models" if target.name == "relay" else "/health")
+        beat.start()  # once every router answers (under valgrind they start in minutes)
         time.sleep(3)  # every replica in every gateway's routing view
         for round_no in range(args.rounds):
             for case in CASES:
@@ -219,6 +255,8 @@ def main() -> None:
         for target in targets:
             target.proc.wait(30)
         nginx.terminate()
+        for process in processes:
+            process.terminate()
         beat.join(3)
         for agent in agents:
             agent.close()
