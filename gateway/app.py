@@ -1086,11 +1086,13 @@ async def _send_response(response: Response, scope: Any, receive: Any, send: Any
     # request). The gateway's own protocol says so (gateway/http_protocol.py); elsewhere
     # a disconnect is only seen by receive(), watched beside the relay.
     loss = scope.get(CONNECTION_LOST)
-    if loss is not None and not loss.happened:
-        await _relay_until_lost(response, send, loss)
-    else:
-        await _relay_watching_receive(response, send, receive)
-    await _run_background(response)
+    try:
+        if loss is not None and not loss.happened:
+            await _relay_until_lost(response, send, loss)
+        else:
+            await _relay_watching_receive(response, send, receive)
+    finally:
+        await _run_background(response)  # the exchange ends, however the relay did
 
 
 async def _relay_until_lost(response: StreamingResponse, send: Any, loss: ConnectionLoss) -> None:

@@ -149,7 +149,7 @@ class EmbeddedRouting:
         concurrency; a request's whole path run at once, parse to relay, costs more.
         When no other routed request is in flight (concurrency 1), there is no batch to
         wait for: the decision runs now, and the request does not pass through two more
-        loop iterations (docs/benchmarks.md, "The decision at once when alone")."""
+        loop iterations (docs/benchmarks.md, issue 23's ninth pass)."""
         future: asyncio.Future[p.RouteReply] = asyncio.get_running_loop().create_future()
         if self._unreleased <= 0 and not self._batch:
             with self.server.lock:

@@ -292,3 +292,20 @@ def test_cancelling_the_requests_task_itself_still_cancels_it() -> None:
         assert relayed.finished[:1] == [499] and not loss._callbacks
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_a_relay_that_fails_still_ends_its_exchange(watched: bool) -> None:
+    async def main() -> None:
+        relayed = Relayed(3)
+
+        async def broken_send(message: dict[str, Any]) -> None:
+            if message.get("body"):
+                raise RuntimeError("a bug in the send path")
+
+        scope = {CONNECTION_LOST: ConnectionLoss()} if watched else {}
+        with pytest.raises(RuntimeError, match="a bug in the send path"):
+            await _send_response(relayed.response(), scope, never_receive, broken_send)
+        assert relayed.finished[-1:] == [0], "the response's background task ran"
+
+    asyncio.run(main())
