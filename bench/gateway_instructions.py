@@ -188,7 +188,7 @@ def main() -> None:
     if args.baseline:
         base = str(Path(args.baseline).resolve())
         plans.append(("embedded@base", "embedded", {**os.environ, po.BASELINE_ENV: base}))
-    router = {
+    router: dict[str, Any] = {
         "registry_bind": f"tcp://127.0.0.1:{free_port()}",
         "routing_bind": f"tcp://127.0.0.1:{free_port()}",
         "metrics_port": 0,
@@ -214,17 +214,7 @@ def main() -> None:
         for n in ("a", "b")  # two replicas: the prefix hints count
     ]
     stop = threading.Event()
-
-    def heartbeat() -> None:
-        for agent in agents:
-            agent.register()
-        while not stop.is_set():
-            for agent in agents:
-                agent.heartbeat(p.ReplicaLoad())
-                agent.process_replies(1.0)
-            stop.wait(1.0)
-
-    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat = threading.Thread(target=po.keep_registered, args=(agents, stop), daemon=True)
     client = Client()
     counts: dict[tuple[str, str], list[float]] = {}
     load_before = os.getloadavg()

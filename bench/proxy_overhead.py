@@ -527,6 +527,18 @@ def serve_gateway(
 # -- the driver ---------------------------------------------------------------------------
 
 
+def keep_registered(agents: list[RegistryAgent], stop: threading.Event) -> None:
+    """Register the bench's stand-in replicas, then heartbeat them every second until `stop`
+    (run on a thread)."""
+    for agent in agents:
+        agent.register()
+    while not stop.is_set():
+        for agent in agents:
+            agent.heartbeat(p.ReplicaLoad())
+            agent.process_replies(1.0)  # returns at the ack: not a sleep
+        stop.wait(1.0)
+
+
 def wrk_script(work: Path, bodies: list[bytes], *, stream: bool, fresh: bool) -> Path:
     """A wrk script cycling through `bodies`; `fresh`: each request's COUNTER a new number
     (one never sent before in this run), else "0" (the same bodies again)."""
@@ -825,17 +837,7 @@ def main() -> None:
             for n in ("a", "b")
         ]
         stop = threading.Event()
-
-        def heartbeat() -> None:
-            for agent in agents:
-                agent.register()
-            while not stop.is_set():
-                for agent in agents:
-                    agent.heartbeat(p.ReplicaLoad())
-                    agent.process_replies(1.0)  # returns at the ack: not a sleep
-                stop.wait(1.0)
-
-        beat = threading.Thread(target=heartbeat, daemon=True)
+        beat = threading.Thread(target=keep_registered, args=(agents, stop), daemon=True)
         beat.start()
         time.sleep(3)  # registered, and in every gateway's routing view (replica_view_s 2 s)
 
