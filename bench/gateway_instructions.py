@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 import bench.proxy_overhead as po  # noqa: E402
 from bench.results import write_results  # noqa: E402
-from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.config import dump_config, parse_config  # noqa: E402
 from hpcserve.contracts import protocol as p  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from tests.ports import free_port  # noqa: E402
@@ -67,26 +67,7 @@ class Target:
         own in-process router's."""
         self.name = name
         self.port = free_port()
-        if feature == "embedded":
-            router = {
-                **router,
-                "registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-            }
-        self.registry = str(router["registry_bind"]) if feature == "embedded" else ""
-        rung = po.FEATURES.index("hints" if feature == "embedded" else feature)
-        limits = (
-            {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
-            if rung >= po.FEATURES.index("quotas")
-            else {}
-        )
-        config = parse_config({
-            "state_dir": str(work / "state"),
-            "router": router,
-            "gateway": {"port": self.port,
-                        "api_keys": [{"tenant": "bench", "sha256": hash_api_key(po.KEY)}],
-                        "tenants": [{"name": "bench", **limits}]},
-        })  # fmt: skip
+        config, self.registry = po.gateway_config(feature, self.port, router, work / "state")
         path = work / f"gateway-{name}.toml"
         path.write_text(dump_config(config))
         self.out = str(work / f"callgrind-{name}")

@@ -84,7 +84,7 @@ if os.environ.get(BASELINE_ENV):
 
 from bench.http_wait import wait_http  # noqa: E402
 from bench.results import write_results  # noqa: E402
-from hpcserve.config import dump_config, hash_api_key, parse_config  # noqa: E402
+from hpcserve.config import PlatformConfig, dump_config, hash_api_key, parse_config  # noqa: E402
 from hpcserve.contracts import protocol as p  # noqa: E402
 from hpcserve.engine_launch.agent import RegistryAgent  # noqa: E402
 from tests.ports import free_port  # noqa: E402
@@ -527,6 +527,39 @@ def serve_gateway(
 # -- the driver ---------------------------------------------------------------------------
 
 
+def gateway_config(
+    feature: str, port: int, router: dict[str, Any], state_dir: Path
+) -> tuple[PlatformConfig, str]:
+    """The config of the gateway for `feature` on `port` (the bench tenant's key; limits it
+    never reaches from `quotas` on) with the router process's `router` config, and the
+    registry address of its own router when it embeds one (`embedded`: new ports), else ""."""
+    embedded = ""
+    if feature == "embedded":
+        router = {
+            **router,
+            "registry_bind": f"tcp://127.0.0.1:{free_port()}",
+            "routing_bind": f"tcp://127.0.0.1:{free_port()}",
+        }
+        embedded = str(router["registry_bind"])
+    limits = (
+        {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
+        if FEATURES.index(feature) >= FEATURES.index("quotas")
+        else {}
+    )
+    config = parse_config(
+        {
+            "state_dir": str(state_dir),
+            "router": router,
+            "gateway": {
+                "port": port,
+                "api_keys": [{"tenant": "bench", "sha256": hash_api_key(KEY)}],
+                "tenants": [{"name": "bench", **limits}],
+            },
+        }
+    )
+    return config, embedded
+
+
 def keep_registered(agents: list[RegistryAgent], stop: threading.Event) -> None:
     """Register the bench's stand-in replicas, then heartbeat them every second until `stop`
     (run on a thread)."""
@@ -763,32 +796,9 @@ def main() -> None:
                 if suffix and feature == "relay":
                     continue
                 port = free_port()
-                limits = (
-                    {"requests_per_min": 10**9, "tokens_per_min": 10**12, "max_concurrent": 10**6}
-                    if FEATURES.index(feature) >= FEATURES.index("quotas")
-                    else {}
-                )
-                cfg = parse_config(
-                    {
-                        **state,
-                        "router": router_cfg,
-                        "gateway": {
-                            "port": port,
-                            "api_keys": keys,
-                            "tenants": [{"name": "bench", **limits}],
-                        },
-                    }
-                )
-                if feature == "embedded":  # its own router, in the gateway's process
-                    embedded_router_cfg = {
-                        **router_cfg,
-                        "registry_bind": f"tcp://127.0.0.1:{free_port()}",
-                        "routing_bind": f"tcp://127.0.0.1:{free_port()}",
-                    }
-                    embedded_registries.append(str(embedded_router_cfg["registry_bind"]))
-                    cfg = msgspec.structs.replace(
-                        cfg, router=parse_config({**state, "router": embedded_router_cfg}).router
-                    )
+                cfg, embedded_registry = gateway_config(feature, port, router_cfg, work / "state")
+                if embedded_registry:
+                    embedded_registries.append(embedded_registry)
                 path = work / f"gateway-{feature}{suffix}.toml"
                 path.write_text(dump_config(cfg))
                 proc = spawn(
