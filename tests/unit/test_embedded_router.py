@@ -7,7 +7,9 @@ socket (a second worker) shares the same view and load; stopping ends the router
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -123,17 +125,26 @@ def test_the_setting_is_read_from_the_config_and_needs_a_router_to_embed(tmp_pat
         build_gateway_app(config, None, None)
 
 
-def test_routes_of_one_loop_iteration_are_decided_together_and_a_gone_one_is_released() -> None:
+@contextlib.asynccontextmanager
+async def one_replica() -> AsyncIterator[tuple[RouterServer, EmbeddedRouting]]:
+    """A started EmbeddedRouting whose router has replica r1 of model chat registered."""
     config = loopback_router_config(lease_s=600.0)
     server = bound_router(config)
     routing = EmbeddedRouting(server)
     agent = RegistryAgent(config.registry_bind, p.Register("r1", "chat", "http://127.0.0.1:9"))
+    await routing.start()
+    try:
+        agent.register()
+        await asyncio.to_thread(agent.process_replies, REPLY_S)
+        yield server, routing
+    finally:
+        await routing.close()
+        agent.close()
 
+
+def test_routes_of_one_loop_iteration_are_decided_together_and_a_gone_one_is_released() -> None:
     async def scenario() -> None:
-        await routing.start()
-        try:
-            agent.register()
-            await asyncio.to_thread(agent.process_replies, REPLY_S)
+        async with one_replica() as (server, routing):
             replica = server.registry.get("r1")
             assert replica is not None
             replies = await asyncio.gather(*(routing.route("chat") for _ in range(8)))
@@ -147,24 +158,13 @@ def test_routes_of_one_loop_iteration_are_decided_together_and_a_gone_one_is_rel
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert replica.in_flight == 8
-        finally:
-            await routing.close()
-            agent.close()
 
     asyncio.run(scenario())
 
 
 def test_a_route_alone_is_decided_in_its_call_and_one_beside_others_with_the_batch() -> None:
-    config = loopback_router_config(lease_s=600.0)
-    server = bound_router(config)
-    routing = EmbeddedRouting(server)
-    agent = RegistryAgent(config.registry_bind, p.Register("r1", "chat", "http://127.0.0.1:9"))
-
     async def scenario() -> None:
-        await routing.start()
-        try:
-            agent.register()
-            await asyncio.to_thread(agent.process_replies, REPLY_S)
+        async with one_replica() as (server, routing):
             # Nothing routed is in flight (concurrency 1): no batch to wait for.
             alone = routing._decided(p.Route(1, "chat"))
             assert alone.done() and alone.result().replica_id == "r1"
@@ -182,9 +182,6 @@ def test_a_route_alone_is_decided_in_its_call_and_one_beside_others_with_the_bat
             # A Route that finds no replica leaves nothing in flight.
             assert routing._decided(p.Route(4, "nobody")).result().replica_id == ""
             assert routing._decided(p.Route(5, "chat")).done()
-        finally:
-            await routing.close()
-            agent.close()
 
     asyncio.run(scenario())
 
