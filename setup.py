@@ -1,5 +1,5 @@
 """The compiled parts of hpcserve: contracts/_blockhash.c (the prefix routing's block hashes)
-and gateway/_json_scan.c (the request body's JSON bounds); everything else is in
+and gateway/_json_scan.c (passes over a request body's raw JSON); everything else is in
 pyproject.toml."""
 
 from setuptools import Extension, setup

@@ -2,9 +2,11 @@
 with the tokenizers library's own thread pool on (its default, as the gateway runs) and off
 (TOKENIZERS_PARALLELISM=false), side by side in one process.
 
-The hint path as the gateway runs it for a request (gateway/app.py `prefix_hints`): decode
-the body, walk the prompt cache (`RouteHints.plan`), render and tokenize what it does not
-hold and hash the blocks (`HintsPlan.run`), encode the Route; all on the calling thread
+The hint path as the gateway runs it for a request (gateway/app.py `prefix_hints`): find
+the body's messages (the compiled `message_spans`), walk the prompt cache with their bytes'
+keys (`RouteHints.plan_body`: a message it does not hold is decoded), render and tokenize
+what it does not hold and hash the blocks (`HintsPlan.run`), encode the Route; all on the
+calling thread
 (the gateway hands more than 2,048 new characters to its thread pool: the same CPU). The
 bodies are bench/proxy_overhead.py's (its 32k-entry byte-level BPE tokenizer, Llama-3 chat
 template, 16 conversations of 1k-4k tokens over 4 system prompts); the cases:
@@ -48,11 +50,11 @@ from bench.results import write_results  # noqa: E402
 from hpcserve.config import GatewayConfig  # noqa: E402
 from hpcserve.contracts import protocol as p  # noqa: E402
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints, hash_stride  # noqa: E402
+from hpcserve.gateway.json_scan import message_spans  # noqa: E402
 
 BLOCK_SIZE = 16
 PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"  # read by the tokenizers library at every call
 CASES = ("repeat", "new question", "new turn", "cold")
-_dict = msgspec.json.Decoder(dict[str, Any])
 
 
 def hints_for(tokenizer: PromptTokenizer, cache: bool) -> RouteHints:
@@ -89,10 +91,10 @@ def request_maker(case: str, answers: list[str]) -> Callable[[int], bytes]:
 
 
 def measure(hints: RouteHints, bodies: list[bytes], first: int) -> tuple[float, float]:
-    """(CPU us, wall us) per request over `bodies`: decode, plan, run, Route encode."""
+    """(CPU us, wall us) per request over `bodies`: scan, plan, run, Route encode."""
     wall, cpu = time.perf_counter(), time.process_time()
     for n, body in enumerate(bodies):
-        fields = hints.plan(MODEL, _dict.decode(body), {}).run()
+        fields = hints.plan_body(MODEL, body, message_spans(body), {}).run()
         p.encode(p.Route(first + n, MODEL, **fields))
     count = len(bodies)
     return (time.process_time() - cpu) / count * 1e6, (time.perf_counter() - wall) / count * 1e6
@@ -113,7 +115,8 @@ def main() -> None:
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
     number = 1_000_000
     for i in range(64):  # the repeated conversations, cached once
-        cached.plan(MODEL, _dict.decode(makers["repeat"](i)), {}).run()
+        body = makers["repeat"](i)
+        cached.plan_body(MODEL, body, message_spans(body), {}).run()
     for round_ in range(args.rounds):
         for case in CASES:
             for label, value in settings.items():

@@ -5,9 +5,11 @@ earlier turns of a conversation. `PromptCache` keeps, for each leading part seen
 hashes (contracts/prefix_hash.py), its token count, the tokens of its last partial block
 and the text after its last hard boundary (not tokenized yet), as a trie of nodes keyed by
 (parent node, next piece). A request walks it from the root and renders, tokenizes and
-hashes only what follows the longest part found. Bounded by bytes, least recently used
-first; a leading part is touched after what follows it, so a prefix outlives its
-continuations.
+hashes only what follows the longest part found. A chat message's piece is a keyed hash of
+its bytes in the request body (the gateway's path, `RouteHints.plan_body`: a message seen
+before is not even decoded), or its role and content when the caller has decoded it.
+Bounded by bytes, least recently used first; a leading part is touched after what follows
+it, so a prefix outlives its continuations.
 
 Exact, not approximate: the hashes equal those of rendering and tokenizing the whole prompt
 (tests/unit/test_prompt_cache.py: a table and random conversations, and transformers' own
@@ -370,6 +372,19 @@ class PromptCache:
     def get(self, parent: _Node, piece: Any) -> _Node | None:
         """The child of `parent` for `piece`, if cached (call with the lock held)."""
         return self._nodes.get((parent.id, piece))
+
+    def walk(self, node: _Node, pieces: Iterable[Any]) -> list[_Node]:
+        """`node` and its descendants for `pieces`, one after another, as far as cached
+        (call with the lock held)."""
+        get = self._nodes.get
+        path = [node]
+        for piece in pieces:
+            child = get((node.id, piece))
+            if child is None:
+                break
+            node = child
+            path.append(node)
+        return path
 
     def touch(self, path: Sequence[_Node]) -> None:
         """Mark a walked path used, its leading parts last (call with the lock held)."""

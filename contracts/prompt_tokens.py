@@ -14,9 +14,10 @@ is routed on load alone: tokenizing is an optimisation, never a reason to fail a
 
 What was rendered, tokenized and hashed before is not again: each model has a
 `PromptCache` (contracts/prompt_cache.py), walked by `RouteHints.plan` (cheap: dict
-lookups, on the caller's thread); what it leaves (`HintsPlan.work` characters to render and
-tokenize) is done by `HintsPlan.run`, on a thread when it is large (the tokenizer's batch
-API releases the GIL).
+lookups, on the caller's thread), or from a chat body's bytes by `RouteHints.plan_body`
+(each message keyed by a hash of its bytes, decoded only when the cache lacks it); what it
+leaves (`HintsPlan.work` characters to render and tokenize) is done by `HintsPlan.run`, on
+a thread when it is large (the tokenizer's batch API releases the GIL).
 """
 
 from __future__ import annotations
@@ -160,8 +161,43 @@ _GENERATION = ("g",)  # the trie's piece for the generation prompt after the las
 SEEN_LAST_MAX = 1 << 16
 # Tokens per character of a deferred message until the model's own ratio is known.
 _TOKENS_PER_CHAR = 0.25
-_HINT_ERRORS = (ValueError, TypeError, KeyError, AttributeError, jinja2.TemplateError)
+_HINT_ERRORS = (
+    ValueError,
+    TypeError,
+    KeyError,
+    AttributeError,
+    jinja2.TemplateError,
+    msgspec.DecodeError,
+)
 _encode = msgspec.json.Encoder()
+_decode_dict = msgspec.json.Decoder(dict[str, Any]).decode
+
+
+class _BodyMessages(Sequence[dict[str, Any]]):
+    """A chat body's messages (at message_spans' spans), each decoded when first read."""
+
+    __slots__ = ("_body", "_decoded", "_spans")
+
+    def __init__(self, body: bytes, spans: Sequence[tuple[int, int, int]]) -> None:
+        self._body = memoryview(body)
+        self._spans = spans
+        self._decoded: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._spans)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        if i < 0:
+            i += len(self._spans)
+        message = self._decoded.get(i)
+        if message is None:
+            _, start, stop = self._spans[i]
+            message = self._decoded[i] = _decode_dict(self._body[start:stop])
+        return message
+
+    def chars_from(self, start: int) -> int:
+        """The bytes of messages[start:], about their characters (nothing decoded)."""
+        return sum(stop - first for _, first, stop in self._spans[start:])
 
 
 def _chars(messages: list[Any]) -> int:
@@ -291,24 +327,48 @@ class _ModelHints:
     ) -> HintsPlan:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages is not a non-empty list")
-        cache, chunks = self.cache, self.chunks
-        if chunks is None or extra:
+        if self.chunks is None or extra:
             work = _chars(messages)
             return HintsPlan(
                 base,
                 finish=lambda: self._chat_whole(messages, extra, adapter, salt),
                 work=work + 1,
             )
+        keys = [_message_key(message, i == 0) for i, message in enumerate(messages)]
+        return self._chat_walk(keys, messages, adapter, base, salt)
+
+    def chat_body(
+        self,
+        body: bytes,
+        spans: Sequence[tuple[int, int, int]],
+        adapter: str,
+        base: dict[str, Any],
+        salt: str = "",
+    ) -> HintsPlan:
+        """`chat` for a chat body whose messages lie at `spans` (message_spans: a keyed hash
+        of each message's bytes, where it starts and stops), which key the prompt cache:
+        a message seen before is neither decoded nor rendered again."""
+        if self.chunks is None:
+            return self.chat(_decode_dict(body).get("messages"), {}, adapter, base, salt)
+        keys = [span[0] for span in spans]
+        return self._chat_walk(keys, _BodyMessages(body, spans), adapter, base, salt)
+
+    def _chat_walk(
+        self,
+        keys: list[Any],
+        messages: Sequence[Any],
+        adapter: str,
+        base: dict[str, Any],
+        salt: str,
+    ) -> HintsPlan:
+        """The hints of a chat rendered by message whose messages are cached under `keys`:
+        from the cache as far as it holds them, the rest left to the plan's run."""
+        cache, chunks = self.cache, self.chunks
+        assert chunks is not None
         with cache.lock:
-            node = cache.root(adapter, salt)
-            path = [node]
-            for i, message in enumerate(messages):
-                child = cache.get(node, _message_key(message, i == 0))
-                if child is None:
-                    break
-                node = child
-                path.append(child)
-            else:
+            path = cache.walk(cache.root(adapter, salt), keys)
+            node = path[-1]
+            if len(path) > len(keys):
                 final = cache.get(node, _GENERATION)
                 if final is not None:
                     path.append(final)
@@ -318,20 +378,24 @@ class _ModelHints:
             cache.touch(path)
             cache.hit_tokens += node.n
             start = len(path) - 1
-            defer = self.defer_chars > 0 and start < len(messages) and self._first_sight(messages)
-        if defer and start == len(messages) - 1:  # only the deferred message is new
+            defer = self.defer_chars > 0 and start < len(keys) and self._first_sight(messages)
+        if defer and start == len(keys) - 1:  # only the deferred message is new
             hints = self._deferred(node, messages[-1], adapter, chunks)
             return HintsPlan(base, {**base, **hints})
-        work = sum(
-            len(str(m.get("content") or "")) for m in messages[start:] if isinstance(m, dict)
+        work = (
+            messages.chars_from(start)
+            if isinstance(messages, _BodyMessages)
+            else _chars(messages[start:])  # type: ignore[arg-type]
         )
         return HintsPlan(
             base,
-            finish=lambda: self._chat_chunked(node, messages, start, adapter, chunks, defer, salt),
+            finish=lambda: self._chat_chunked(
+                node, messages, keys, start, adapter, chunks, defer, salt
+            ),
             work=work + 1,
         )
 
-    def _first_sight(self, messages: list[Any]) -> bool:
+    def _first_sight(self, messages: Sequence[Any]) -> bool:
         """Whether the last message is a short {role, content} message after others that
         this gateway has not seen before (call with the cache's lock held).
 
@@ -375,7 +439,8 @@ class _ModelHints:
     def _chat_chunked(
         self,
         node: Any,
-        messages: list[Any],
+        messages: Sequence[Any],
+        keys: list[Any],
         start: int,
         adapter: str,
         chunks: MessageChunks,
@@ -384,10 +449,8 @@ class _ModelHints:
     ) -> dict[str, Any]:
         texts: list[str] = []
         pendings: list[str] = []
-        keys: list[tuple[Any, ...]] = []
         pending = node.pending
         for i in range(start, len(messages) - 1 if defer else len(messages)):
-            keys.append(_message_key(messages[i], i == 0))
             text = pending + chunks.chunk(messages[i], i == 0)
             cut = self.boundaries.last(text)
             texts.append(text[:cut])
@@ -397,7 +460,7 @@ class _ModelHints:
             texts.append(pending + chunks.generation)
         token_lists = self.tokenizer.encode_pieces(texts)
         cache = self.cache
-        for key, tokens, rest in zip(keys, token_lists, pendings, strict=False):
+        for key, tokens, rest in zip(keys[start:], token_lists, pendings, strict=False):
             node = cache.extend(node, key, tokens, rest)
         with cache.lock:
             cache.miss_tokens += sum(map(len, token_lists))
@@ -418,11 +481,11 @@ class _ModelHints:
         return n <= VERIFY_FIRST or n % VERIFY_EVERY == 0
 
     def _verify(
-        self, messages: list[Any], adapter: str, final: Any, salt: str = ""
+        self, messages: Sequence[Any], adapter: str, final: Any, salt: str = ""
     ) -> dict[str, Any] | None:
         """Render and tokenize the whole prompt; on a difference, render by message no more
         and return the whole prompt's hints."""
-        whole = self.tokenizer.encode_pieces([self.tokenizer.render_chat(messages)])[0]
+        whole = self.tokenizer.encode_pieces([self.tokenizer.render_chat(list(messages))])[0]
         hashes = prompt_block_hashes(whole, self.block_size, adapter, salt)
         if len(whole) == final.n and hashes == final.hashes.tolist():
             return None
@@ -454,14 +517,8 @@ class _ModelHints:
         cache = self.cache
         pieces = [text[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
         with cache.lock:
-            node = cache.root(adapter, salt)
-            path = [node]
-            for piece in pieces:
-                child = cache.get(node, ("t", piece))
-                if child is None:
-                    break
-                node = child
-                path.append(child)
+            path = cache.walk(cache.root(adapter, salt), [("t", piece) for piece in pieces])
+            node = path[-1]
             cache.touch(path)
             cache.hit_tokens += node.n
         rest = pieces[len(path) - 1 :]
@@ -585,6 +642,30 @@ class RouteHints:
     ) -> HintsPlan:
         """`salt`: the cache salt the gateway set on the request ("": none): the prompt's
         hashes chain from a seed of its own (contracts/cache_salt.py)."""
+        return self._plan(model, headers, salt, payload=payload)
+
+    def plan_body(
+        self,
+        model: str,
+        body: bytes,
+        spans: Sequence[tuple[int, int, int]] | None,
+        headers: Mapping[str, str],
+        salt: str = "",
+    ) -> HintsPlan:
+        """`plan` for a request body as it came: a chat body's messages at `spans`
+        (gateway/json_scan.py message_spans) are read from its bytes, and only those the
+        prompt cache does not hold are decoded; without spans the body is decoded whole."""
+        return self._plan(model, headers, salt, body=body, spans=spans)
+
+    def _plan(
+        self,
+        model: str,
+        headers: Mapping[str, str],
+        salt: str,
+        payload: Mapping[str, Any] | None = None,
+        body: bytes = b"",
+        spans: Sequence[tuple[int, int, int]] | None = None,
+    ) -> HintsPlan:
         base: dict[str, Any] = {}
         session = headers.get(SESSION_HEADER)
         if session:
@@ -594,6 +675,10 @@ class RouteHints:
             return HintsPlan(base, base)
         adapter = model if model in self._adapters else ""
         try:
+            if spans:
+                return entry.chat_body(body, spans, adapter, base, salt)
+            if payload is None:
+                payload = _decode_dict(body)
             messages = payload.get("messages")
             if messages is not None:
                 extra = {"tools": payload["tools"]} if payload.get("tools") else {}

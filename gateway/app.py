@@ -47,12 +47,14 @@ from hpcserve.gateway.batch.handlers import batch_routes
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.batch.service import BatchService
 from hpcserve.gateway.http_protocol import CONNECTION_LOST, ConnectionLoss
+from hpcserve.gateway.json_scan import message_spans
 from hpcserve.gateway.messages import messages_routes
 from hpcserve.gateway.metrics import GatewayMetrics
 from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.responses import responses_routes
+from hpcserve.gateway.route_hints import body_hints
 from hpcserve.gateway.routing_client import RouterUnavailable, Routing, RoutingClient
 from hpcserve.gateway.usage_log import UsageLog
 from hpcserve.gateway.workers import LOCAL_HEADER, WorkerSet
@@ -71,7 +73,7 @@ _INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
 # Prefix hints: what the prompt cache leaves to render and tokenize, up to this many
 # characters, is done on the event loop (a thread hand-off costs more than it does); more on
 # HINT_THREADS threads, at most MAX_HINTS_WAITING; a body over HINT_DECODE_INLINE_BYTES is
-# decoded there too.
+# scanned and decoded there too.
 INLINE_HINT_BYTES = 2048
 HINT_DECODE_INLINE_BYTES = 256 * 1024
 HINT_THREADS = 2
@@ -558,7 +560,7 @@ class Gateway:
         if len(body) > HINT_DECODE_INLINE_BYTES:
             plan = None
         else:
-            plan = route_hints.plan(model, _dict.decode(body), headers, salt)
+            plan = route_hints.plan_body(model, body, message_spans(body), headers, salt)
             if plan.work <= INLINE_HINT_BYTES:
                 return plan.run()
         if self._hints_waiting >= MAX_HINTS_WAITING:
@@ -572,7 +574,7 @@ class Gateway:
             loop = asyncio.get_running_loop()
             if plan is None:
                 return await loop.run_in_executor(
-                    self._hint_pool, _decoded_hints, route_hints, model, body, headers, salt
+                    self._hint_pool, body_hints, route_hints, model, body, headers, salt
                 )
             return await loop.run_in_executor(self._hint_pool, plan.run)
         finally:
@@ -842,12 +844,6 @@ def _continuous_usage(
     payload = _dict.decode(body)
     payload.setdefault("stream_options", {})["continuous_usage_stats"] = True
     return msgspec.json.encode(payload), True
-
-
-def _decoded_hints(
-    route_hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str], salt: str
-) -> dict[str, Any]:
-    return route_hints.hints(model, _dict.decode(body), headers, salt)
 
 
 def _session_only(headers: Mapping[str, str]) -> dict[str, Any]:

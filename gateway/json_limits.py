@@ -29,11 +29,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from hpcserve.contracts.compiled_extension import load_extension
 from hpcserve.gateway.errors import APIError, bad_request
-
-# gateway/_json_scan.c's JSON_SCAN_API_VERSION is 1.
-_json_scan: Any = load_extension("hpcserve.gateway._json_scan", "gateway/_json_scan.c", 1)
+from hpcserve.gateway.json_scan import scan
 
 MAX_DEPTH = 128  # JSON arrays/objects inside each other; vLLM's own schema limit is 64
 INT_MIN = -(2**63)
@@ -57,7 +54,7 @@ class _Huge(int):
 def check_body(body: bytes) -> None:
     """Raise a 400 APIError naming the field and the limit, or return (the body may still be
     invalid JSON or the wrong shape: the decoders report that)."""
-    depth, long_number = _json_scan.scan(body)
+    depth, long_number = scan(body)
     if depth > MAX_DEPTH:
         raise APIError(
             400,

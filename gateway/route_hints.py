@@ -5,8 +5,9 @@ prompt cache of `gateway.prompt_cache_mb` (contracts/prompt_cache.py) and its me
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,6 +16,7 @@ from prometheus_client.registry import Collector
 from hpcserve.config import PlatformConfig
 from hpcserve.contracts.engine_args import engine_block_size
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints, hash_stride
+from hpcserve.gateway.json_scan import message_spans
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +61,15 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
             for adapter in [*pool.lora_adapters, *registry_adapters(config, bases)]:
                 hints.add_adapter(adapter, pool.model)
     return hints
+
+
+def body_hints(
+    hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str], salt: str = ""
+) -> dict[str, Any]:
+    """The Route fields of a request body, all of its hints work done here (a caller on a
+    thread): a chat's messages read from their bytes (`RouteHints.plan_body`), so that the
+    interactive requests and the batch runner's share the prompt cache's entries."""
+    return hints.plan_body(model, body, message_spans(body), headers, salt).run()
 
 
 def registry_adapters(config: PlatformConfig, bases: set[str]) -> list[str]:

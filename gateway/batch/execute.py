@@ -18,6 +18,7 @@ from hpcserve.contracts.cache_salt import client_salt_of, salted_body, tenant_sa
 from hpcserve.gateway import errors
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.responses import batch_request, batch_response
+from hpcserve.gateway.route_hints import body_hints
 from hpcserve.gateway.routing_client import RouterUnavailable
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class RoutedExecutor:
         if hints is None or path not in _GENERATING or model not in hints:
             return {}
         salt = self._salt(body, tenant)
-        return await asyncio.to_thread(hints.hints, model, _payload.decode(body), {}, salt)
+        return await asyncio.to_thread(body_hints, hints, model, body, {}, salt)
 
     async def execute(
         self,

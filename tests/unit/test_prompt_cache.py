@@ -1,9 +1,12 @@
 """The prompt cache gives exactly the hints of rendering and tokenizing the whole prompt:
 a table of conversations, random ones sharing prefixes, templates that do not render by
-message, a cache too small to hold anything, and transformers' own chat template."""
+message, a cache too small to hold anything, and transformers' own chat template; from a
+decoded payload (`RouteHints.hints`) and from a body's bytes (`plan_body`, the gateway's
+path), in one cache."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.contracts.prompt_cache import Boundaries, MessageChunks
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
+from hpcserve.gateway.json_scan import message_spans
 from hpcserve.gateway.route_hints import register_cache_metrics
 from hpcserve.tinymodels import LLAMA3_CHAT_TEMPLATE, make_tiny_model
 
@@ -50,6 +54,16 @@ def hints_of(tok: PromptTokenizer, cache_bytes: int = 64 << 20) -> RouteHints:
     hints.add_model("m", tok, BLOCK, cache_bytes)
     hints.add_adapter("m-sql", "m")
     return hints
+
+
+def body_hints(
+    hints: RouteHints, model: str, payload: dict[str, Any], spaced: bool = False
+) -> dict[str, Any]:
+    """The hints of `payload` sent as a body (JSON with or without spaces), as the gateway
+    plans them: from the bytes of its messages."""
+    separators = (", ", ": ") if spaced else (",", ":")
+    body = json.dumps({"model": model, **payload}, separators=separators).encode()
+    return hints.plan_body(model, body, message_spans(body), {}).run()
 
 
 SYSTEM = "You extract fields from shipping documents. Answer in JSON. " * 6
@@ -132,8 +146,11 @@ def test_a_table_of_conversations_hashes_as_the_whole_prompt(
     assert want["block_hashes"] or name in ("one user turn", "whitespace edges")
     for _ in range(3):  # cold, then from the cache
         assert hints.hints("m", payload, {}) == want
-    lora = hints.hints("m-sql", payload, {})
-    assert lora == {**whole(tokenizer, payload, "m-sql"), "adapter": "m-sql"}
+        assert body_hints(hints, "m", payload) == want
+        assert body_hints(hints, "m", payload, spaced=True) == want
+    lora_want = {**whole(tokenizer, payload, "m-sql"), "adapter": "m-sql"}
+    assert hints.hints("m-sql", payload, {}) == lora_want
+    assert body_hints(hints, "m-sql", payload) == lora_want
 
 
 def test_the_tiny_models_template_renders_by_message(tokenizer: PromptTokenizer) -> None:
@@ -194,7 +211,10 @@ def test_random_conversations_sharing_prefixes_hash_as_the_whole_prompt(
             conversations.append(messages)
             model = "m-sql" if rng.random() < 0.2 else "m"
             want = whole(tokenizer, {"messages": messages}, "m-sql" if model == "m-sql" else "")
-            got = hints.hints(model, {"messages": messages}, {})
+            if rng.random() < 0.5:
+                got = hints.hints(model, {"messages": messages}, {})
+            else:
+                got = body_hints(hints, model, {"messages": messages}, spaced=rng.random() < 0.5)
             got.pop("adapter", None)
             assert got == want, messages
         (_, cache, mismatches, _) = hints.cache_stats()[0]
@@ -219,6 +239,19 @@ def test_a_repeated_prompt_is_not_tokenized_again(tokenizer: PromptTokenizer) ->
     assert 0 < plan.work < 20
     assert plan.run() == whole(tokenizer, {"messages": turn})
     assert cache.miss_tokens - missed < first["prompt_tokens"] // 4
+    # From a body's bytes: a message seen before in these bytes is neither decoded nor
+    # rendered again; only the new turn is left to the plan's run.
+    body = json.dumps({"model": "m", "messages": turn}).encode()
+    assert body_hints(hints, "m", {"messages": turn}, spaced=True) == whole(
+        tokenizer, {"messages": turn}
+    )
+    missed = cache.miss_tokens
+    plan = hints.plan_body("m", body, message_spans(body), {})
+    assert plan.work == 0 and plan.run() == whole(tokenizer, {"messages": turn})
+    assert cache.miss_tokens == missed
+    longer = json.dumps({"model": "m", "messages": [*turn, {"role": "user", "content": "x"}]})
+    plan = hints.plan_body("m", longer.encode(), message_spans(longer.encode()), {})
+    assert 0 < plan.work < 40, "only the new message's bytes are left"
     registry = CollectorRegistry()
     register_cache_metrics(registry, hints)
     text = generate_latest(registry).decode()
@@ -265,7 +298,11 @@ def test_templates_that_do_not_render_by_message_still_hash_as_the_whole_prompt(
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     for turn in range(8):
         messages.append({"role": "user", "content": random_text(rng, 20)})
-        assert hints.hints("m", {"messages": messages}, {}) == whole(tok, {"messages": messages})
+        want = whole(tok, {"messages": messages})
+        if turn % 2:
+            assert hints.hints("m", {"messages": messages}, {}) == want
+        else:
+            assert body_hints(hints, "m", {"messages": messages}) == want
         messages.append({"role": "assistant", "content": f"answer {turn}"})
     # SNEAKY: the sampled check of a long conversation saw the difference, gave the whole
     # prompt's hints and turned rendering by message off.

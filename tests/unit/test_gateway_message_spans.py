@@ -1,0 +1,110 @@
+"""gateway/_json_scan.c message_spans: where a chat body's messages lie, each with a keyed
+hash of its bytes, or None wherever reading the bytes could differ from decoding them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcserve.gateway.json_scan import message_spans
+
+USER = b'{"role":"user","content":"hi"}'
+
+
+def items(body: bytes) -> list[bytes] | None:
+    spans = message_spans(body)
+    if spans is None:
+        return None
+    return [body[start:stop] for _, start, stop in spans]
+
+
+@pytest.mark.parametrize(
+    ("body", "want"),
+    [
+        (b'{"model":"m","messages":[' + USER + b"]}", [USER]),
+        (b' {\n "messages" : [ ' + USER + b" ,\t" + USER + b" ] , \"n\": 1 }\r\n", [USER, USER]),
+        (b'{"messages":[{"role":"user","content":"a}],\\"{["}]}',
+         [b'{"role":"user","content":"a}],\\"{["}']),  # brackets and quotes in a string
+        (b'{"a":{"messages":[1]},"messages":[' + USER + b"]}", [USER]),  # nested: not it
+        (b'{"messages":[' + USER + b'],"tools":null}', [USER]),
+        (b'{"tools": [ ],"messages":[' + USER + b"]}", [USER]),
+        (b'{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}]}',
+         [b'{"role":"user","content":[{"type":"text","text":"x"}]}']),
+        # Read by decoding instead:
+        (b'{"messages":[' + USER + b'],"tools":[{"type":"function"}]}', None),
+        (b'{"m\\u0065ssages":[' + USER + b"]}", None),  # a key with an escape
+        (b'{"messages":[' + USER + b'],"messages":[' + USER + b"]}", None),  # named twice
+        (b'{"messages":[]}', None),
+        (b'{"messages":[' + USER + b',"text"]}', None),  # an item not an object
+        (b'{"messages":{"role":"user"}}', None),
+        (b'{"prompt":"x"}', None),
+        (b"[" + USER + b"]", None),
+        (b"{}", None),
+        (b"", None),
+        (b'{"messages":[' + USER, None),  # cut short
+        (b'{"messages":[{"role":"user","content":"hi}', None),
+        (b'{"messages":[' + USER + b"]", None),
+        (b'{"messages"', None),
+    ],
+)  # fmt: skip
+def test_message_spans_on_a_table_of_bodies(body: bytes, want: list[bytes] | None) -> None:
+    assert items(body) == want
+
+
+def test_the_same_bytes_have_the_same_key_wherever_they_stand() -> None:
+    first = message_spans(b'{"messages":[' + USER + b"]}")
+    later = message_spans(
+        b'{"model":"m", "messages": [{"role":"system","content":"s"},' + USER + b"]}"
+    )
+    assert first is not None and later is not None
+    assert first[0][0] == later[1][0] != later[0][0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=80), min_size=2, max_size=8, unique=True))
+def test_different_bytes_have_different_keys(contents: list[bytes]) -> None:
+    """Every length around the 16-byte steps, and contents that differ in one byte."""
+    messages = [b'{"c":"' + c.hex().encode() + b'"}' for c in contents]
+    spans = message_spans(b'{"messages":[' + b",".join(messages) + b"]}")
+    assert spans is not None
+    assert len({key for key, _, _ in spans}) == len(messages)
+
+
+def test_message_spans_takes_only_bytes_like_bodies() -> None:
+    with pytest.raises(TypeError):
+        message_spans('{"messages":[{}]}')  # type: ignore[arg-type]
+    for body in (bytearray, memoryview):
+        assert message_spans(body(b'{"messages":[' + USER + b"]}")) == message_spans(
+            b'{"messages":[' + USER + b"]}"
+        )
+
+
+_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"])},
+    optional={"content": _text | st.none(), "name": _text},
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    messages=st.lists(_message, min_size=1, max_size=6),
+    extra=st.dictionaries(st.sampled_from(["model", "n", "stop", "x"]), _text | st.integers()),
+    spaced=st.booleans(),
+    ascii_only=st.booleans(),
+)
+def test_each_span_decodes_to_its_message(
+    messages: list[dict[str, Any]], extra: dict[str, Any], spaced: bool, ascii_only: bool
+) -> None:
+    separators = (", ", ": ") if spaced else (",", ":")
+    body = json.dumps(
+        {**extra, "messages": messages}, separators=separators, ensure_ascii=ascii_only
+    ).encode()
+    found = items(body)
+    assert found is not None
+    assert [msgspec.json.decode(item) for item in found] == messages
