@@ -4,6 +4,7 @@ hash of its bytes, or None wherever reading the bytes could differ from decoding
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import msgspec
@@ -108,3 +109,40 @@ def test_each_span_decodes_to_its_message(
     found = items(body)
     assert found is not None
     assert [msgspec.json.decode(item) for item in found] == messages
+
+
+def test_mutated_bodies_never_crash_and_valid_ones_split_as_decoded() -> None:
+    """Bytes cut, dropped and inserted at random (structural bytes mostly) into chat bodies:
+    the scan reads nothing past the body, and wherever the result is valid JSON and the scan
+    finds messages, they are the decoded body's messages."""
+    rng = random.Random(7)
+    bodies = [
+        json.dumps({
+            "model": "m",
+            "messages": [{"role": "user", "content": 'hi "x" \\ }]'}, {"role": "assistant"}],
+            "tools": None,
+        }).encode(),
+        b'{"messages":[{"a":[1,{"b":"]"}]}],"n":1}',
+    ]  # fmt: skip
+    alphabet = b'{}[]",:\\ nul0123456789abtrue\n'
+    checked = 0
+    for _ in range(30_000):
+        body = bytearray(rng.choice(bodies))
+        for _ in range(rng.randint(1, 6)):
+            at = rng.randrange(len(body) + 1)
+            op = rng.random()
+            if op < 0.4 and len(body) > 1:
+                del body[min(at, len(body) - 1)]
+            elif op < 0.8:
+                body[at:at] = bytes([rng.choice(alphabet)])
+            else:
+                del body[at:]
+        spans = message_spans(bytes(body))
+        try:
+            data = msgspec.json.decode(bytes(body))
+        except msgspec.DecodeError:
+            continue
+        if spans is not None:
+            checked += 1
+            assert [msgspec.json.decode(body[s:e]) for _, s, e in spans] == data["messages"]
+    assert checked > 1000
