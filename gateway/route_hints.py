@@ -1,6 +1,7 @@
 """A gateway's RouteHints for the configured pools: which models' prompts are hashed, with
 which tokenizer and block size (the pool config and the model registry say), each with a
-prompt cache of `gateway.prompt_cache_mb` (contracts/prompt_cache.py) and its metrics."""
+prompt cache of `gateway.prompt_cache_mb` (contracts/prompt_cache.py) and its metrics; and
+`body_hints`, the hints of a request body as the gateway and the batch runner compute them."""
 
 from __future__ import annotations
 
