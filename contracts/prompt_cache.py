@@ -5,11 +5,20 @@ earlier turns of a conversation. `PromptCache` keeps, for each leading part seen
 hashes (contracts/prefix_hash.py), its token count, the tokens of its last partial block
 and the text after its last hard boundary (not tokenized yet), as a trie of nodes keyed by
 (parent node, next piece). A request walks it from the root and renders, tokenizes and
-hashes only what follows the longest part found. A chat message's piece is a keyed hash of
-its bytes in the request body (the gateway's path, `RouteHints.plan_body`: a message seen
-before is not even decoded), or its role and content when the caller has decoded it.
-Bounded by bytes, least recently used first; a leading part is touched after what follows
-it, so a prefix outlives its continuations.
+hashes only what follows the longest part found. Bounded by bytes, least recently used
+first.
+
+A chat rendered by message is cached by prefix: each node holds everything of the prompt up
+to a message (all its block hashes, its token count, its last partial block) and is keyed
+under its root by a prefix key that names every message up to it: a keyed hash of their
+bytes in the request body (the gateway's path, `RouteHints.plan_body`: a message seen
+before is not even decoded), or of their roles and contents when the caller has decoded
+them. A request looks its keys up from the last (`longest`): a prompt seen before takes one
+lookup, one with a new last message two, and only the node found is touched, so a shared
+system prompt stays as long as new conversations start from it, and a conversation's
+earlier turns need not stay once a later one is cached. Other prompts (rendered whole, cut
+at hard boundaries) are chains of pieces walked from the root, a leading part touched after
+what follows it, so that a prefix outlives its continuations.
 
 Exact, not approximate: the hashes equal those of rendering and tokenizing the whole prompt
 (tests/unit/test_prompt_cache.py: a table and random conversations, and transformers' own
@@ -386,6 +395,19 @@ class PromptCache:
             path.append(node)
         return path
 
+    def longest(self, root: _Node, keys: Sequence[Any]) -> tuple[int, _Node]:
+        """The longest prefix of a prompt cached under `root`, whose pieces are named by
+        prefix keys (each names every piece up to it): (how many keys it covers, its node),
+        (0, `root`) when none. Searched from the longest, so a prompt seen before up to its
+        last piece takes one lookup (call with the lock held)."""
+        get = self._nodes.get
+        root_id = root.id
+        for count in range(len(keys), 0, -1):
+            node = get((root_id, keys[count - 1]))
+            if node is not None:
+                return count, node
+        return 0, root
+
     def touch(self, path: Sequence[_Node]) -> None:
         """Mark a walked path used, its leading parts last (call with the lock held)."""
         nodes = self._nodes
@@ -393,10 +415,18 @@ class PromptCache:
             if node.key is not None and node.key in nodes:
                 nodes.move_to_end(node.key)
 
-    def extend(self, parent: _Node, piece: Any, tokens: Sequence[int], pending: str) -> _Node:
+    def extend(
+        self,
+        parent: _Node,
+        piece: Any,
+        tokens: Sequence[int],
+        pending: str,
+        under: _Node | None = None,
+    ) -> _Node:
         """The node after `parent` that adds `tokens` (tokenized up to a hard boundary) and
-        leaves `pending` untokenized; stored unless the cache is off (call without the lock:
-        it hashes)."""
+        leaves `pending` untokenized; stored unless the cache is off, keyed by (`parent`,
+        `piece`), or by (`under`, `piece`) for a prefix key under its root (call without the
+        lock: it hashes)."""
         size = self.block_size
         seq = parent.tail + list(tokens) if parent.tail else list(tokens)
         new = chain_hashes(seq, size, parent.last)
@@ -413,7 +443,7 @@ class PromptCache:
         )
         if not self.max_bytes:
             return node
-        key = (parent.id, piece)
+        key = ((under or parent).id, piece)
         piece_bytes = (
             len(piece[-1])
             if isinstance(piece, tuple) and isinstance(piece[-1], (str, bytes))

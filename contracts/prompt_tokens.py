@@ -155,7 +155,7 @@ DEFAULT_CACHE_BYTES = 64 << 20
 # VERIFY_FIRST requests a model renders that way, then on one in VERIFY_EVERY.
 VERIFY_FIRST = 8
 VERIFY_EVERY = 1000
-_GENERATION = ("g",)  # the trie's piece for the generation prompt after the last message
+_GENERATION = "g"  # (it, the last message's prefix key): the generation prompt after it
 # Short new last messages remembered as seen (deferred once, see _ModelHints.chat), per
 # model: at most this many, at least the newest half of it.
 SEEN_LAST_MAX = 1 << 16
@@ -334,7 +334,11 @@ class _ModelHints:
                 finish=lambda: self._chat_whole(messages, extra, adapter, salt),
                 work=work + 1,
             )
-        keys = [_message_key(message, i == 0) for i, message in enumerate(messages)]
+        keys: list[Any] = []
+        key = 0
+        for i, message in enumerate(messages):  # prefix keys, as message_spans' for a body
+            key = hash((key, _message_key(message, i == 0)))
+            keys.append(("m", key))
         return self._chat_walk(keys, messages, adapter, base, salt)
 
     def chat_body(
@@ -345,9 +349,10 @@ class _ModelHints:
         base: dict[str, Any],
         salt: str = "",
     ) -> HintsPlan:
-        """`chat` for a chat body whose messages lie at `spans` (message_spans: a keyed hash
-        of each message's bytes, where it starts and stops), which key the prompt cache:
-        a message seen before is neither decoded nor rendered again."""
+        """`chat` for a chat body whose messages lie at `spans` (message_spans: for each
+        message a keyed hash of the bytes of the messages up to it, where it starts and
+        stops), which key the prompt cache: a message seen before is neither decoded nor
+        rendered again."""
         if self.chunks is None:
             return self.chat(_decode_dict(body).get("messages"), {}, adapter, base, salt)
         keys = [span[0] for span in spans]
@@ -361,23 +366,21 @@ class _ModelHints:
         base: dict[str, Any],
         salt: str,
     ) -> HintsPlan:
-        """The hints of a chat rendered by message whose messages are cached under `keys`:
-        from the cache as far as it holds them, the rest left to the plan's run."""
+        """The hints of a chat rendered by message whose prefixes are cached under `keys`
+        (prefix keys): from the longest prefix the cache holds, the rest left to the plan's
+        run."""
         cache, chunks = self.cache, self.chunks
         assert chunks is not None
         with cache.lock:
-            path = cache.walk(cache.root(adapter, salt), keys)
-            node = path[-1]
-            if len(path) > len(keys):
-                final = cache.get(node, _GENERATION)
-                if final is not None:
-                    path.append(final)
-                    cache.touch(path)
-                    cache.hit_tokens += final.n
-                    return HintsPlan(base, {**base, **self._result(final, adapter)})
-            cache.touch(path)
+            root = cache.root(adapter, salt)
+            final = cache.get(root, (_GENERATION, keys[-1]))
+            if final is not None:
+                cache.touch((final,))
+                cache.hit_tokens += final.n
+                return HintsPlan(base, {**base, **self._result(final, adapter)})
+            start, node = cache.longest(root, keys)
+            cache.touch((node,))
             cache.hit_tokens += node.n
-            start = len(path) - 1
             defer = self.defer_chars > 0 and start < len(keys) and self._first_sight(messages)
         if defer and start == len(keys) - 1:  # only the deferred message is new
             hints = self._deferred(node, messages[-1], adapter, chunks)
@@ -390,7 +393,7 @@ class _ModelHints:
         return HintsPlan(
             base,
             finish=lambda: self._chat_chunked(
-                node, messages, keys, start, adapter, chunks, defer, salt
+                root, node, messages, keys, start, adapter, chunks, defer, salt
             ),
             work=work + 1,
         )
@@ -438,6 +441,7 @@ class _ModelHints:
 
     def _chat_chunked(
         self,
+        root: Any,
         node: Any,
         messages: Sequence[Any],
         keys: list[Any],
@@ -461,13 +465,13 @@ class _ModelHints:
         token_lists = self.tokenizer.encode_pieces(texts)
         cache = self.cache
         for key, tokens, rest in zip(keys[start:], token_lists, pendings, strict=False):
-            node = cache.extend(node, key, tokens, rest)
+            node = cache.extend(node, key, tokens, rest, under=root)
         with cache.lock:
             cache.miss_tokens += sum(map(len, token_lists))
             cache.miss_chars += sum(map(len, texts))
         if defer:
             return self._deferred(node, messages[-1], adapter, chunks)
-        final = cache.extend(node, _GENERATION, token_lists[-1], "")
+        final = cache.extend(node, (_GENERATION, keys[-1]), token_lists[-1], "", under=root)
         if self._verify_due():
             whole = self._verify(messages, adapter, final, salt)
             if whole is not None:

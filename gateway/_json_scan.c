@@ -7,9 +7,9 @@
  * stands outside strings. json_limits.nesting_depth and _outside_strings are the
  * definition; the unit tests hold the two to the same answers on generated bodies.
  *
- * message_spans: for the prefix hints (gateway/prefix_hints.py), where each of a chat
- * body's messages lies and a keyed hash of its bytes, so that the prompt cache is walked
- * without decoding the body.
+ * message_spans: for the prefix hints (gateway/route_hints.py body_hints), where each of a
+ * chat body's messages lies and a keyed hash of the bytes of the messages up to it, so that
+ * the prompt cache finds the longest prefix it holds without decoding the body.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -149,11 +149,12 @@ is_nothing(const unsigned char *p, const unsigned char *end)
     return *p == '[' && *skip_space(p + 1, end) == ']';
 }
 
-/* The keyed hash of a message's bytes: 16 bytes a step, each step a 64x64->128-bit multiply
- * folded to 64 bits (as wyhash mixes), from a secret drawn at import. Not a defence against
- * an attacker who knows the secret: a collision makes two messages share cached hints, that
- * is, routing on the wrong prefix, never a wrong answer or another tenant's data (each
- * cache salt has its own root). */
+/* The keyed hash of a message's bytes after `seed` (the key of the messages before it, 0
+ * for the first): 16 bytes a step, each step a 64x64->128-bit multiply folded to 64 bits
+ * (as wyhash mixes), from a secret drawn at import. Not a defence against an attacker who
+ * knows the secret: a collision makes two prompts share cached hints, that is, routing on
+ * the wrong prefix, never a wrong answer or another tenant's data (each adapter and cache
+ * salt has its own root). */
 static uint64_t message_secret[4];
 
 static inline uint64_t
@@ -164,9 +165,9 @@ fold_multiply(uint64_t a, uint64_t b)
 }
 
 static uint64_t
-message_hash(const unsigned char *p, size_t n)
+message_hash(const unsigned char *p, size_t n, uint64_t seed)
 {
-    uint64_t h = message_secret[0] ^ fold_multiply(n ^ message_secret[1], message_secret[2]);
+    uint64_t h = message_secret[0] ^ fold_multiply(n ^ seed ^ message_secret[1], message_secret[2]);
     uint64_t a, b;
     for (; n > 16; p += 16, n -= 16) {
         memcpy(&a, p, 8);
@@ -277,8 +278,9 @@ find_messages(const unsigned char *begin, const unsigned char *end, Span **spans
 PyDoc_STRVAR(message_spans_doc,
 "message_spans(body) -> list[tuple[int, int, int]] | None\n\n"
 "For each item of the \"messages\" array of the JSON object `body`: (key, start, stop), where\n"
-"body[start:stop] is the item and key a hash of those bytes, keyed by a secret drawn when\n"
-"the module is imported. None when an item is not an object, or the body is not a JSON\n"
+"body[start:stop] is the item and key a hash of the bytes of the items up to it and this one\n"
+"(the key of the prompt's prefix that ends with it), keyed by a secret drawn when the module\n"
+"is imported. None when an item is not an object, or the body is not a JSON\n"
 "object whose keys are written without escapes and name \"messages\" (a non-empty array)\n"
 "once and \"tools\" only as null or [].");
 
@@ -301,9 +303,10 @@ message_spans(PyObject *module, PyObject *arg)
         goto done;
     }
     out = PyList_New(count);
+    uint64_t key = 0;
     for (Py_ssize_t i = 0; out != NULL && i < count; i++) {
         Span span = spans[i];
-        uint64_t key = message_hash(begin + span.start, (size_t)(span.stop - span.start));
+        key = message_hash(begin + span.start, (size_t)(span.stop - span.start), key);
         PyObject *item = PyTuple_New(3);
         PyObject *fields[3] = {PyLong_FromLongLong((long long)key),
                                PyLong_FromSsize_t(span.start), PyLong_FromSsize_t(span.stop)};

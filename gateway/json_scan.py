@@ -1,6 +1,7 @@
 """gateway/_json_scan.c, the compiled passes over a request body's JSON, loaded once:
 `scan` (nesting depth and long digit runs, for json_limits.py) and `message_spans` (where a
-chat body's messages lie and a keyed hash of each one's bytes, for the prefix hints)."""
+chat body's messages lie, each with a keyed hash of the bytes of the messages up to it: the
+prompt cache's keys for the prefix hints)."""
 
 from __future__ import annotations
 

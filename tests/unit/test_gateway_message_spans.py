@@ -1,5 +1,6 @@
 """gateway/_json_scan.c message_spans: where a chat body's messages lie, each with a keyed
-hash of its bytes, or None wherever reading the bytes could differ from decoding them."""
+hash of the messages' bytes up to it, or None wherever reading the bytes could differ from
+decoding them."""
 
 from __future__ import annotations
 
@@ -57,13 +58,18 @@ def test_message_spans_on_a_table_of_bodies(body: bytes, want: list[bytes] | Non
     assert items(body) == want
 
 
-def test_the_same_bytes_have_the_same_key_wherever_they_stand() -> None:
-    first = message_spans(b'{"messages":[' + USER + b"]}")
-    later = message_spans(
-        b'{"model":"m", "messages": [{"role":"system","content":"s"},' + USER + b"]}"
+def test_a_key_names_every_message_up_to_its_own() -> None:
+    system = b'{"role":"system","content":"s"}'
+    first = message_spans(b'{"messages":[' + system + b"," + USER + b"]}")
+    longer = message_spans(
+        b'{"model":"m", "messages": [' + system + b", " + USER + b"," + USER + b'], "n": 2}'
     )
-    assert first is not None and later is not None
-    assert first[0][0] == later[1][0] != later[0][0]
+    other = message_spans(b'{"messages":[' + USER + b"," + USER + b"]}")
+    assert first is not None and longer is not None and other is not None
+    keys, longer_keys, other_keys = ([k for k, _, _ in spans] for spans in (first, longer, other))
+    assert longer_keys[:2] == keys, "the same leading messages, the same keys"
+    assert len(set(longer_keys)) == 3, "the same message again: a longer prefix, a new key"
+    assert other_keys[0] != keys[0] and other_keys[1] != keys[1], "an earlier message differs"
 
 
 @settings(max_examples=200, deadline=None)
