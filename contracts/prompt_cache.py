@@ -3,10 +3,10 @@
 Prompts repeat their leading parts: a system prompt, a few-shot header, a document, the
 earlier turns of a conversation. `PromptCache` keeps, for each leading part seen, its block
 hashes (contracts/prefix_hash.py), its token count, the tokens of its last partial block
-and the text after its last hard boundary (not tokenized yet), as a trie of nodes keyed by
-(parent node, next piece). A request walks it from the root and renders, tokenizes and
-hashes only what follows the longest part found. Bounded by bytes, least recently used
-first.
+and the text after its last hard boundary (not tokenized yet), as nodes keyed by where they
+hang (a parent node, or the root for a prefix key) and the piece that leads to them. A
+request finds the longest part cached and renders, tokenizes and hashes only what follows
+it. Bounded by bytes, least recently used first.
 
 A chat rendered by message is cached by prefix: each node holds everything of the prompt up
 to a message (all its block hashes, its token count, its last partial block) and is keyed
