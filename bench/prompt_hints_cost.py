@@ -4,7 +4,8 @@ with the tokenizers library's own thread pool on (its default, as the gateway ru
 
 The hint path as the gateway runs it for a request (gateway/app.py `prefix_hints`): find
 the body's messages (the compiled `message_spans`), walk the prompt cache with their bytes'
-keys (`RouteHints.plan_body`: a message it does not hold is decoded), render and tokenize
+keys (gateway/route_hints.py `body_hints`, `RouteHints.plan_body`: a message it does not
+hold is decoded), render and tokenize
 what it does not hold and hash the blocks (`HintsPlan.run`), encode the Route; all on the
 calling thread
 (the gateway hands more than 2,048 new characters to its thread pool: the same CPU). The
@@ -50,7 +51,7 @@ from bench.results import write_results  # noqa: E402
 from hpcserve.config import GatewayConfig  # noqa: E402
 from hpcserve.contracts import protocol as p  # noqa: E402
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints, hash_stride  # noqa: E402
-from hpcserve.gateway.json_scan import message_spans  # noqa: E402
+from hpcserve.gateway.route_hints import body_hints  # noqa: E402
 
 BLOCK_SIZE = 16
 PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"  # read by the tokenizers library at every call
@@ -94,7 +95,7 @@ def measure(hints: RouteHints, bodies: list[bytes], first: int) -> tuple[float, 
     """(CPU us, wall us) per request over `bodies`: scan, plan, run, Route encode."""
     wall, cpu = time.perf_counter(), time.process_time()
     for n, body in enumerate(bodies):
-        fields = hints.plan_body(MODEL, body, message_spans(body), {}).run()
+        fields = body_hints(hints, MODEL, body, {})
         p.encode(p.Route(first + n, MODEL, **fields))
     count = len(bodies)
     return (time.process_time() - cpu) / count * 1e6, (time.perf_counter() - wall) / count * 1e6
@@ -115,8 +116,7 @@ def main() -> None:
     samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
     number = 1_000_000
     for i in range(64):  # the repeated conversations, cached once
-        body = makers["repeat"](i)
-        cached.plan_body(MODEL, body, message_spans(body), {}).run()
+        body_hints(cached, MODEL, makers["repeat"](i), {})
     for round_ in range(args.rounds):
         for case in CASES:
             for label, value in settings.items():

@@ -47,14 +47,13 @@ from hpcserve.gateway.batch.handlers import batch_routes
 from hpcserve.gateway.batch.priority import ENGINE_PRIORITY, PRIORITY_HEADER
 from hpcserve.gateway.batch.service import BatchService
 from hpcserve.gateway.http_protocol import CONNECTION_LOST, ConnectionLoss
-from hpcserve.gateway.json_scan import message_spans
 from hpcserve.gateway.messages import messages_routes
 from hpcserve.gateway.metrics import GatewayMetrics
 from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
 from hpcserve.gateway.responses import responses_routes
-from hpcserve.gateway.route_hints import body_hints
+from hpcserve.gateway.route_hints import body_hints, body_plan
 from hpcserve.gateway.routing_client import RouterUnavailable, Routing, RoutingClient
 from hpcserve.gateway.usage_log import UsageLog
 from hpcserve.gateway.workers import LOCAL_HEADER, WorkerSet
@@ -560,7 +559,7 @@ class Gateway:
         if len(body) > HINT_DECODE_INLINE_BYTES:
             plan = None
         else:
-            plan = route_hints.plan_body(model, body, message_spans(body), headers, salt)
+            plan = body_plan(route_hints, model, body, headers, salt)
             if plan.work <= INLINE_HINT_BYTES:
                 return plan.run()
         if self._hints_waiting >= MAX_HINTS_WAITING:

@@ -1,7 +1,8 @@
 """A gateway's RouteHints for the configured pools: which models' prompts are hashed, with
 which tokenizer and block size (the pool config and the model registry say), each with a
 prompt cache of `gateway.prompt_cache_mb` (contracts/prompt_cache.py) and its metrics; and
-`body_hints`, the hints of a request body as the gateway and the batch runner compute them."""
+`body_plan` / `body_hints`, the hints of a request body as the gateway and the batch runner
+compute them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from hpcserve.config import PlatformConfig
 from hpcserve.contracts.engine_args import engine_block_size
-from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints, hash_stride
+from hpcserve.contracts.prompt_tokens import HintsPlan, PromptTokenizer, RouteHints, hash_stride
 from hpcserve.gateway.json_scan import message_spans
 
 log = logging.getLogger(__name__)
@@ -64,13 +65,20 @@ def route_hints_for(config: PlatformConfig) -> RouteHints | None:
     return hints
 
 
+def body_plan(
+    hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str], salt: str = ""
+) -> HintsPlan:
+    """The hints plan of a request body: a chat's messages read from their bytes
+    (message_spans, `RouteHints.plan_body`), so that the interactive requests and the batch
+    runner's share the prompt cache's entries."""
+    return hints.plan_body(model, body, message_spans(body), headers, salt)
+
+
 def body_hints(
     hints: RouteHints, model: str, body: bytes, headers: Mapping[str, str], salt: str = ""
 ) -> dict[str, Any]:
-    """The Route fields of a request body, all of its hints work done here (a caller on a
-    thread): a chat's messages read from their bytes (`RouteHints.plan_body`), so that the
-    interactive requests and the batch runner's share the prompt cache's entries."""
-    return hints.plan_body(model, body, message_spans(body), headers, salt).run()
+    """`body_plan` run whole, all of its work done here (a caller on a thread)."""
+    return body_plan(hints, model, body, headers, salt).run()
 
 
 def registry_adapters(config: PlatformConfig, bases: set[str]) -> list[str]:

@@ -18,8 +18,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from hpcserve.contracts.prefix_hash import prompt_block_hashes
 from hpcserve.contracts.prompt_cache import Boundaries, MessageChunks
 from hpcserve.contracts.prompt_tokens import PromptTokenizer, RouteHints
-from hpcserve.gateway.json_scan import message_spans
-from hpcserve.gateway.route_hints import register_cache_metrics
+from hpcserve.gateway.route_hints import body_hints, body_plan, register_cache_metrics
 from hpcserve.tinymodels import LLAMA3_CHAT_TEMPLATE, make_tiny_model
 
 BLOCK = 16
@@ -56,14 +55,14 @@ def hints_of(tok: PromptTokenizer, cache_bytes: int = 64 << 20) -> RouteHints:
     return hints
 
 
-def body_hints(
+def sent_as_body(
     hints: RouteHints, model: str, payload: dict[str, Any], spaced: bool = False
 ) -> dict[str, Any]:
     """The hints of `payload` sent as a body (JSON with or without spaces), as the gateway
     plans them: from the bytes of its messages."""
     separators = (", ", ": ") if spaced else (",", ":")
     body = json.dumps({"model": model, **payload}, separators=separators).encode()
-    return hints.plan_body(model, body, message_spans(body), {}).run()
+    return body_hints(hints, model, body, {})
 
 
 SYSTEM = "You extract fields from shipping documents. Answer in JSON. " * 6
@@ -146,11 +145,11 @@ def test_a_table_of_conversations_hashes_as_the_whole_prompt(
     assert want["block_hashes"] or name in ("one user turn", "whitespace edges")
     for _ in range(3):  # cold, then from the cache
         assert hints.hints("m", payload, {}) == want
-        assert body_hints(hints, "m", payload) == want
-        assert body_hints(hints, "m", payload, spaced=True) == want
+        assert sent_as_body(hints, "m", payload) == want
+        assert sent_as_body(hints, "m", payload, spaced=True) == want
     lora_want = {**whole(tokenizer, payload, "m-sql"), "adapter": "m-sql"}
     assert hints.hints("m-sql", payload, {}) == lora_want
-    assert body_hints(hints, "m-sql", payload) == lora_want
+    assert sent_as_body(hints, "m-sql", payload) == lora_want
 
 
 def test_the_tiny_models_template_renders_by_message(tokenizer: PromptTokenizer) -> None:
@@ -214,7 +213,7 @@ def test_random_conversations_sharing_prefixes_hash_as_the_whole_prompt(
             if rng.random() < 0.5:
                 got = hints.hints(model, {"messages": messages}, {})
             else:
-                got = body_hints(hints, model, {"messages": messages}, spaced=rng.random() < 0.5)
+                got = sent_as_body(hints, model, {"messages": messages}, spaced=rng.random() < 0.5)
             got.pop("adapter", None)
             assert got == want, messages
         (_, cache, mismatches, _) = hints.cache_stats()[0]
@@ -242,15 +241,15 @@ def test_a_repeated_prompt_is_not_tokenized_again(tokenizer: PromptTokenizer) ->
     # From a body's bytes: a message seen before in these bytes is neither decoded nor
     # rendered again; only the new turn is left to the plan's run.
     body = json.dumps({"model": "m", "messages": turn}).encode()
-    assert body_hints(hints, "m", {"messages": turn}, spaced=True) == whole(
+    assert sent_as_body(hints, "m", {"messages": turn}, spaced=True) == whole(
         tokenizer, {"messages": turn}
     )
     missed = cache.miss_tokens
-    plan = hints.plan_body("m", body, message_spans(body), {})
+    plan = body_plan(hints, "m", body, {})
     assert plan.work == 0 and plan.run() == whole(tokenizer, {"messages": turn})
     assert cache.miss_tokens == missed
     longer = json.dumps({"model": "m", "messages": [*turn, {"role": "user", "content": "x"}]})
-    plan = hints.plan_body("m", longer.encode(), message_spans(longer.encode()), {})
+    plan = body_plan(hints, "m", longer.encode(), {})
     assert 0 < plan.work < 40, "only the new message's bytes are left"
     registry = CollectorRegistry()
     register_cache_metrics(registry, hints)
@@ -302,7 +301,7 @@ def test_templates_that_do_not_render_by_message_still_hash_as_the_whole_prompt(
         if turn % 2:
             assert hints.hints("m", {"messages": messages}, {}) == want
         else:
-            assert body_hints(hints, "m", {"messages": messages}) == want
+            assert sent_as_body(hints, "m", {"messages": messages}) == want
         messages.append({"role": "assistant", "content": f"answer {turn}"})
     # SNEAKY: the sampled check of a long conversation saw the difference, gave the whole
     # prompt's hints and turned rendering by message off.
