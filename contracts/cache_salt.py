@@ -26,6 +26,8 @@ from typing import Any
 
 import msgspec
 
+from hpcserve.contracts.json_members import with_members
+
 SALT_PREFIX = "hpcs-"
 
 
@@ -64,9 +66,13 @@ def salted_body(body: bytes, salt: str, *, replace: bool) -> bytes:
         payload.pop("cache_salt", None)
         payload["cache_salt"] = salt
         return msgspec.json.encode(payload)
-    head = body.rstrip()[:-1].rstrip()
-    comma = b"" if head.endswith(b"{") else b","
-    return head + comma + b'"cache_salt":"' + salt.encode() + b'"}'
+    return with_members(body, salt_member(salt))
+
+
+@lru_cache(maxsize=4096)
+def salt_member(salt: str) -> bytes:
+    """`"cache_salt":<salt>`, encoded: a member for json_members.with_members."""
+    return b'"cache_salt":' + msgspec.json.encode(salt)
 
 
 def client_salt_of(body: bytes) -> str:

@@ -34,8 +34,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from hpcserve.config import GatewayConfig
-from hpcserve.contracts.cache_salt import salted_body, tenant_salt
+from hpcserve.contracts.cache_salt import salt_member, salted_body, tenant_salt
 from hpcserve.contracts.engine_token import bearer_matches
+from hpcserve.contracts.json_members import with_members
 from hpcserve.contracts.prompt_tokens import SESSION_HEADER, RouteHints
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET, RouteReply
 from hpcserve.contracts.usage import UsageRecord
@@ -68,7 +69,7 @@ __all__ = ["Gateway", "GatewayMetrics", "build_app"]
 _json_object = msgspec.json.Decoder(dict[str, Any])
 _dict = msgspec.json.Decoder(dict[str, Any])
 _GENERATING = ("/v1/chat/completions", "/v1/completions")
-_INCLUDE_USAGE = b',"stream_options":{"include_usage":true}}'
+_INCLUDE_USAGE = b'"stream_options":{"include_usage":true}'
 # Prefix hints: what the prompt cache leaves to render and tokenize, up to this many
 # characters, is done on the event loop (a thread hand-off costs more than it does); more on
 # HINT_THREADS threads, at most MAX_HINTS_WAITING; a body over HINT_DECODE_INLINE_BYTES is
@@ -77,7 +78,8 @@ INLINE_HINT_BYTES = 2048
 HINT_DECODE_INLINE_BYTES = 256 * 1024
 HINT_THREADS = 2
 MAX_HINTS_WAITING = 64
-_INCLUDE_CONTINUOUS = b',"stream_options":{"include_usage":true,"continuous_usage_stats":true}}'
+_INCLUDE_CONTINUOUS = b'"stream_options":{"include_usage":true,"continuous_usage_stats":true}'
+_INCLUDE_USAGE_LAST = _INCLUDE_USAGE + b"}"
 # A request held for a pool at zero asks the router again this often.
 WAKE_POLL_S = 0.25
 # How often a request for a version no known pool at zero serves may re-read the registry.
@@ -306,13 +308,16 @@ class Gateway:
         model = parsed.model
         stream = parsed.stream
         strip_usage = False
+        # Keys the gateway adds, appended to the body's bytes in one copy (json_members.py);
+        # stream_options last, so that _continuous_usage finds it at the end.
+        members: list[bytes] = []
+        ask_usage = False
         if stream and endpoint in _GENERATING:
             # Usage is what tokens/min and the token metrics count: ask for it, and hide it
             # from a client that did not.
             options = parsed.stream_options  # type: ignore[union-attr]
             if options is None:
-                body = body.rstrip()[:-1] + _INCLUDE_USAGE
-                strip_usage = True
+                ask_usage = strip_usage = True
             elif not options.include_usage:
                 payload = _dict.decode(body)
                 payload["stream_options"]["include_usage"] = True
@@ -322,7 +327,14 @@ class Gateway:
         salt = client_salt or ""  # the engine shares blocks only within a salt: hash it in
         if self.config.isolate_tenant_caches and endpoint in _GENERATING:
             salt = tenant_salt(tenant.name, client_salt or "")
-            body = salted_body(body, salt, replace=client_salt is not None)
+            if client_salt is not None:
+                body = salted_body(body, salt, replace=True)
+            else:
+                members.append(salt_member(salt))
+        if ask_usage:
+            members.append(_INCLUDE_USAGE)
+        if members:
+            body = with_members(body, *members)
         engine_body, strip_continuous = _continuous_usage(body, parsed, stream, endpoint)
         headers = {
             "Content-Type": "application/json",
@@ -838,8 +850,9 @@ def _continuous_usage(
     options = parsed.stream_options  # type: ignore[union-attr]
     if options is not None and options.continuous_usage_stats:
         return body, False
-    if body.endswith(_INCLUDE_USAGE):  # added above: no decode needed
-        return body[: -len(_INCLUDE_USAGE)] + _INCLUDE_CONTINUOUS, True
+    if body.endswith(_INCLUDE_USAGE_LAST):  # added last above: no decode needed
+        kept = memoryview(body)[: -len(_INCLUDE_USAGE_LAST)]
+        return b"".join((kept, _INCLUDE_CONTINUOUS, b"}")), True
     payload = _dict.decode(body)
     payload.setdefault("stream_options", {})["continuous_usage_stats"] = True
     return msgspec.json.encode(payload), True

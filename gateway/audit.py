@@ -55,8 +55,18 @@ class AuditRecord(msgspec.Struct, omit_defaults=False):
 _encode = msgspec.json.Encoder().encode
 
 
+# The last second utc_time formatted (strftime costs more than the rest of a line).
+_second: tuple[int, str] = (-1, "")
+
+
 def utc_time(now: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+    global _second
+    second, text = _second
+    if int(now) != second:
+        second = int(now)
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _second = (second, text)
+    return f"{text}.{int(now * 1000) % 1000:03d}Z"
 
 
 class AuditLog:

@@ -63,7 +63,7 @@ _TAIL = max(len(p) for p in _LENGTH) - 1
 
 
 def _truncated(data: bytes) -> bool:
-    return _LENGTH[0] in data or _LENGTH[1] in data
+    return data.find(_LENGTH[0]) >= 0 or data.find(_LENGTH[1]) >= 0  # not `in`: relay.py
 
 
 def is_refusal(text: str) -> bool:
@@ -143,7 +143,7 @@ class OutputWatch:
     def feed(self, chunk: bytes) -> None:
         if not self.truncated:
             head = self._tail + chunk[:_TAIL]  # a pattern cut by the chunk boundary
-            if b"length" in chunk or b"length" in head:
+            if chunk.find(b"length") >= 0 or head.find(b"length") >= 0:
                 self.truncated = _truncated(chunk) or _truncated(head)
             self._tail = chunk[-_TAIL:] if len(chunk) >= _TAIL else head[-_TAIL:]
         if not self._reading:
