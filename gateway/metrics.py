@@ -3,174 +3,21 @@
 Label values are only ever names from the config or the router (endpoints, served
 models, tenant names), never client input, so the series cannot grow without bound.
 
-Counted in plain Python numbers and exposed through one custom Collector: every update
-and every scrape runs on the gateway's event loop thread, so the lock and label lookup
-that prometheus_client's own metrics take on each call are not needed on the request
-path. `labels(...)` returns a child to keep; the request path keeps them per (model,
-tenant) and per (endpoint, model, tenant, status).
+Counted in plain Python numbers (contracts/light_metrics.py): every update runs on the
+gateway's event loop thread, so the lock and label lookup that prometheus_client's own
+metrics take on each call are not needed on the request path. The request path keeps the
+children per (model, tenant) and per (endpoint, model, tenant, status).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Callable, Iterator, Sequence
-
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
+
+from hpcserve.contracts.light_metrics import Counter, Gauge, Histogram, LightCollector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 _QUEUE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25, 1, 2.5)
-
-
-class CounterChild:
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1) -> None:
-        self.value += amount
-
-
-class GaugeChild(CounterChild):
-    __slots__ = ()
-
-    def dec(self, amount: float = 1) -> None:
-        self.value -= amount
-
-    def set(self, value: float) -> None:
-        self.value = value
-
-
-class HistogramChild:
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-
-class _Family:
-    """A metric with labels; with none, it is its own only child (`inc`, `observe` work)."""
-
-    kind = ""
-
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = tuple(labelnames)
-        self.children: dict[tuple[str, ...], object] = {}
-        if not self.labelnames:
-            child = self.children[()] = self._child()
-            for method in ("inc", "dec", "set", "observe"):
-                if hasattr(child, method):
-                    setattr(self, method, getattr(child, method))
-
-    def _child(self) -> object:
-        raise NotImplementedError
-
-    def labels(self, *values: str) -> object:
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-        child = self.children.get(values)
-        if child is None:
-            child = self.children[values] = self._child()
-        return child
-
-    def collect(self) -> Metric:
-        raise NotImplementedError
-
-
-class Counter(_Family):
-    inc: Callable[..., None]  # an unlabelled family's own child's (see _Family)
-
-    def _child(self) -> CounterChild:
-        return CounterChild()
-
-    def labels(self, *values: str) -> CounterChild:
-        return super().labels(*values)  # type: ignore[return-value]
-
-    def collect(self) -> Metric:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self.children.items():
-            family.add_metric(values, child.value)  # type: ignore[attr-defined]
-        return family
-
-
-class Gauge(_Family):
-    inc: Callable[..., None]
-    dec: Callable[..., None]
-    set: Callable[[float], None]
-
-    def _child(self) -> GaugeChild:
-        return GaugeChild()
-
-    def labels(self, *values: str) -> GaugeChild:
-        return super().labels(*values)  # type: ignore[return-value]
-
-    def collect(self) -> Metric:
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self.children.items():
-            family.add_metric(values, child.value)  # type: ignore[attr-defined]
-        return family
-
-
-class Histogram(_Family):
-    observe: Callable[[float], None]
-
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        *,
-        buckets: Sequence[float],
-    ) -> None:
-        self.bounds = tuple(float(b) for b in buckets)
-        super().__init__(name, documentation, labelnames)
-
-    def _child(self) -> HistogramChild:
-        return HistogramChild(self.bounds)
-
-    def labels(self, *values: str) -> HistogramChild:
-        return super().labels(*values)  # type: ignore[return-value]
-
-    def collect(self) -> Metric:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self.children.items():
-            assert isinstance(child, HistogramChild)
-            cumulative, buckets = 0, []
-            for bound, count in zip((*self.bounds, math.inf), child.counts, strict=True):
-                cumulative += count
-                buckets.append((_bound_text(bound), cumulative))
-            family.add_metric(values, buckets, child.sum)
-        return family
-
-
-def _bound_text(bound: float) -> str:
-    return "+Inf" if bound == math.inf else repr(float(bound))
-
-
-class _Collector(Collector):
-    def __init__(self, families: list[_Family]) -> None:
-        self.families = families
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.families:
-            yield family.collect()
 
 
 class GatewayMetrics:
@@ -317,7 +164,7 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
         )
         registry.register(
-            _Collector(
+            LightCollector(
                 [
                     self.answers,
                     self.answer_errors,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 from zmq.auth.thread import ThreadAuthenticator
@@ -39,6 +39,9 @@ from hpcserve.contracts.curve import (
     start_authenticator,
 )
 from hpcserve.contracts.health_policy import severity, worst_action
+from hpcserve.contracts.light_metrics import Counter as LightCounter
+from hpcserve.contracts.light_metrics import Histogram as LightHistogram
+from hpcserve.contracts.light_metrics import LightCollector
 from hpcserve.contracts.protocol import OVER_QUEUE_BUDGET
 from hpcserve.contracts.zmtp import ZmtpRouter
 from hpcserve.contracts.zmtp_curve import routing_server_keys
@@ -73,11 +76,11 @@ class RouterMetrics:
             ["type"],
             registry=registry,
         )
-        self.routes = Counter(
-            "hpcserve_router_routes_total",
-            "Routing decisions by outcome",
-            ["outcome"],
-            registry=registry,
+        # The route path's two, routes and decision_seconds, are light metrics
+        # (contracts/light_metrics.py): every route is handled by the server's loop or under
+        # its lock, one at a time.
+        self.routes = LightCounter(
+            "hpcserve_router_routes_total", "Routing decisions by outcome", ["outcome"]
         )
         self.routed = self.routes.labels("routed")  # the hot path's child, looked up once
         self.pd_routes = Counter(
@@ -131,12 +134,12 @@ class RouterMetrics:
             "closed (its gateway declares those still running again)",
             registry=registry,
         )
-        self.decision_seconds = Histogram(
+        self.decision_seconds = LightHistogram(
             "hpcserve_router_decision_seconds",
             "Time to pick a replica",
             buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 1e-3, 1e-2),
-            registry=registry,
         )
+        registry.register(LightCollector([self.routes, self.decision_seconds]))
 
 
 class _RefusedConnections(Collector):
