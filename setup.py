@@ -1,6 +1,6 @@
-"""The compiled parts of hpcserve: contracts/_blockhash.c (the prefix routing's block hashes)
-and gateway/_json_scan.c (passes over a request body's raw JSON); everything else is in
-pyproject.toml."""
+"""The compiled parts of hpcserve: contracts/_blockhash.c (the prefix routing's block hashes),
+gateway/_json_scan.c (passes over a request body's raw JSON) and router/_few_rows.c (the
+kv-aware policy's pick over a few replicas); everything else is in pyproject.toml."""
 
 from setuptools import Extension, setup
 
@@ -14,6 +14,11 @@ setup(
         Extension(
             "hpcserve.gateway._json_scan",
             sources=["gateway/_json_scan.c"],
+            extra_compile_args=["-O3"],
+        ),
+        Extension(
+            "hpcserve.router._few_rows",
+            sources=["router/_few_rows.c"],
             extra_compile_args=["-O3"],
         ),
     ]

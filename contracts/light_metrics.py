@@ -83,7 +83,8 @@ class _Family:
             child = self.children[values] = self._child()
         return child
 
-    def collect(self) -> Metric:
+    def collect(self) -> list[Metric]:
+        """Its one family, as a list (prometheus_client's metrics' `collect`)."""
         raise NotImplementedError
 
 
@@ -96,11 +97,11 @@ class Counter(_Family):
     def labels(self, *values: str) -> CounterChild:
         return super().labels(*values)  # type: ignore[return-value]
 
-    def collect(self) -> Metric:
+    def collect(self) -> list[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self.children.items():
             family.add_metric(values, child.value)  # type: ignore[attr-defined]
-        return family
+        return [family]
 
 
 class Gauge(_Family):
@@ -114,11 +115,11 @@ class Gauge(_Family):
     def labels(self, *values: str) -> GaugeChild:
         return super().labels(*values)  # type: ignore[return-value]
 
-    def collect(self) -> Metric:
+    def collect(self) -> list[Metric]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self.children.items():
             family.add_metric(values, child.value)  # type: ignore[attr-defined]
-        return family
+        return [family]
 
 
 class Histogram(_Family):
@@ -141,7 +142,7 @@ class Histogram(_Family):
     def labels(self, *values: str) -> HistogramChild:
         return super().labels(*values)  # type: ignore[return-value]
 
-    def collect(self) -> Metric:
+    def collect(self) -> list[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self.children.items():
             assert isinstance(child, HistogramChild)
@@ -150,7 +151,7 @@ class Histogram(_Family):
                 cumulative += count
                 buckets.append((_bound_text(bound), cumulative))
             family.add_metric(values, buckets, child.sum)
-        return family
+        return [family]
 
 
 def _bound_text(bound: float) -> str:
@@ -163,4 +164,4 @@ class LightCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for family in self.families:
-            yield family.collect()
+            yield from family.collect()

@@ -17,7 +17,7 @@ plus decode load, whose terms must be in one unit to add up.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -171,7 +171,8 @@ class LowestCost:
         self._jitter_lists: list[list[float]] = []
         self._turn = 0
 
-    def _noise(self, n: int) -> np.ndarray:
+    def noise(self, n: int) -> np.ndarray:
+        """The next request's tie-breaking noise over n rows."""
         if not self._jitter or len(self._jitter[0]) != n:
             self._jitter = [self._np_rng.random(n) * 1e-6 for _ in range(self.JITTERS)]
             self._jitter_lists = [v.tolist() for v in self._jitter]
@@ -184,7 +185,7 @@ class LowestCost:
         n = len(total)
         if n == 0:
             return None
-        self._noise(n)
+        self.noise(n)
         noise = self._jitter_lists[self._turn]
         keep = kept.tolist() if kept is not None else None
         best: int | None = None
@@ -204,7 +205,7 @@ class LowestCost:
             if not kept.any():
                 return None
             total = np.where(kept, total, np.inf)
-        return int((total + self._noise(len(total))).argmin())
+        return int((total + self.noise(len(total))).argmin())
 
 
 class RoundRobin:
@@ -246,12 +247,16 @@ class Policy:
         picker: Picker,
         *,
         uses_prefix: bool = False,
+        few_rows: Callable[[RouteContext, np.ndarray | None], int | None] | None = None,
     ) -> None:
+        """few_rows: the scorers' sum and the picker's pick over at most FEW_ROWS rows in
+        one step, the same row as `_sum_few` and `pick_few` (kv_aware_few.py)."""
         self.name = name
         self.filters = list(filters)
         self.scorers = list(scorers)
         self.picker = picker
         self.uses_prefix = uses_prefix
+        self.few_rows = few_rows
 
     def add_filter(self, f: Filter) -> None:
         """Plug a filter into the pipeline (e.g. adapter placement from another module)."""
@@ -342,7 +347,10 @@ class Policy:
     def pick(self, ctx: RouteContext) -> Replica | None:
         kept = self.keep_mask(ctx)
         if len(ctx.table) <= FEW_ROWS:
-            row = self.picker.pick_few(ctx, self._sum_few(ctx), kept)
+            if self.few_rows is not None:
+                row = self.few_rows(ctx, kept)
+            else:
+                row = self.picker.pick_few(ctx, self._sum_few(ctx), kept)
         else:
             total, _ = self._sum(ctx)
             if total is None:

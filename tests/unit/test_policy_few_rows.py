@@ -1,7 +1,8 @@
 """The policy's path for tables of at most FEW_ROWS replicas (Python floats, no numpy call per
 step) against its numpy path, on random tables: the same scorer costs and totals to the bit
 and the same row picked, for every policy, load, KV fill and capacity, share, cache match and
-filter."""
+filter; and the kv-aware policy's compiled pick (router/policies/kv_aware_few.py) against
+both."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 from hpcserve.config import RoutingConfig
 from hpcserve.contracts import protocol as p
 from hpcserve.router.policies import build_policy
-from hpcserve.router.policies.base import Cached, RouteContext, RouteRequest, dense_cost
+from hpcserve.router.policies.base import (
+    Cached,
+    RouteContext,
+    RouteRequest,
+    Weighted,
+    dense_cost,
+)
+from hpcserve.router.policies.kv_aware_few import KvAwareFewRows
 from hpcserve.router.registry import Registry
 from hpcserve.router.replica_table import FEW_ROWS
 
@@ -85,6 +93,9 @@ def test_the_few_rows_path_costs_sums_and_picks_as_the_numpy_path(policy: str, s
         if hasattr(picker, "_next"):
             picker._next.clear()
         assert by_few == by_numpy
+        if built.few_rows is not None:  # kv-aware: compiled (router/_few_rows.c)
+            picker._turn = turn  # type: ignore[attr-defined]
+            assert built.few_rows(ctx, kept) == by_few
 
 
 def test_ties_go_to_the_same_row_and_nothing_kept_picks_nothing() -> None:
@@ -97,3 +108,65 @@ def test_ties_go_to_the_same_row_and_nothing_kept_picks_nothing() -> None:
         picker._turn = turn  # type: ignore[attr-defined]
         assert picker.pick_few(ctx, [0.0] * 4, None) == by_numpy
     assert picker.pick_few(ctx, [1.0] * 4, np.zeros(4, bool)) is None
+
+
+def test_the_compiled_pick_breaks_ties_and_keeps_rows_as_the_python_path() -> None:
+    """Equal totals (every row idle, nothing cached): the noise decides, the same way; a
+    kept mask that keeps none picks none; every turn of the noise, every kept subset."""
+    built = build_policy(RoutingConfig(), random.Random(3))
+    assert built.few_rows is not None
+    rng = random.Random(4)
+    registry = Registry(lease_s=1e9)
+    for i in range(5):
+        registry.register(p.Register(f"r{i}", "m", f"http://r{i}", block_size=16), now=0.0)
+    table = registry.table("m")
+    assert table is not None
+    picker = built.picker
+    for turn in range(picker.JITTERS):  # type: ignore[attr-defined]
+        kept = np.array([rng.random() < 0.5 for _ in range(5)], bool)
+        for mask in (None, kept, np.zeros(5, bool)):
+            ctx = RouteContext(RouteRequest("m", block_size=16, prompt_tokens=100), table)
+            picker._turn = turn  # type: ignore[attr-defined]
+            expected = picker.pick_few(ctx, built._sum_few(ctx), mask)
+            picker._turn = turn  # type: ignore[attr-defined]
+            assert built.few_rows(ctx, mask) == expected
+    picker._turn = 0  # type: ignore[attr-defined]
+    assert built.few_rows(ctx, np.zeros(5, bool)) is None
+
+
+def test_only_the_kv_aware_composition_is_compiled() -> None:
+    assert build_policy(RoutingConfig(policy="least-load")).few_rows is None
+    assert build_policy(RoutingConfig(policy="round-robin")).few_rows is None
+    kv_aware = build_policy(RoutingConfig())
+    assert kv_aware.few_rows is not None
+    assert KvAwareFewRows.of(kv_aware.scorers[:2], kv_aware.picker) is None
+    heavier = [Weighted(w.scorer, 2.0) for w in kv_aware.scorers]
+    assert KvAwareFewRows.of(heavier, kv_aware.picker) is None  # NewPrefill and Load at 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"load": np.zeros(3, np.int64)}, "load: expected a vector of 3 float64"),
+        ({"active_tokens": np.zeros(3)}, "active_tokens: expected a vector of 3 int64"),
+        ({"noise": np.zeros(2)}, "noise: expected a vector of 3 float64"),
+        ({"cached_rows": [0, 5], "cached_tokens": [1, 2]}, "cached_rows: row 5 of 3"),
+        ({"cached_rows": [0], "cached_tokens": [1, 2]}, "differ in length"),
+    ],
+)
+def test_the_compiled_pick_refuses_vectors_it_cannot_read(
+    change: dict[str, object], message: str
+) -> None:
+    from hpcserve.router.policies.kv_aware_few import _few_rows
+
+    vectors: dict[str, object] = {
+        "load": np.zeros(3), "kv_fill": np.zeros(3), "kv_capacity": np.zeros(3),
+        "active_tokens": np.zeros(3, np.int64), "held_tokens": np.zeros(3),
+        "share_raw": np.zeros(3), "noise": np.zeros(3), "kept": None,
+        "cached_rows": None, "cached_tokens": None,
+    }  # fmt: skip
+    vectors.update(change)
+    with pytest.raises((TypeError, ValueError, IndexError), match=message):
+        _few_rows.kv_aware_pick(
+            *vectors.values(), 100, 64.0, 1.0, 0, False, 4.0, 0.0, None, 1.0, 0.5, 1.0, 0
+        )
