@@ -347,13 +347,18 @@ class Policy:
     def pick(self, ctx: RouteContext) -> Replica | None:
         kept = self.keep_mask(ctx)
         if len(ctx.table) <= FEW_ROWS:
-            if self.few_rows is not None:
-                row = self.few_rows(ctx, kept)
-            else:
-                row = self.picker.pick_few(ctx, self._sum_few(ctx), kept)
+            row = self._pick_few(ctx, kept)
         else:
             total, _ = self._sum(ctx)
             if total is None:
                 total = np.zeros(len(ctx.table))
             row = self.picker.pick(ctx, total, kept)
         return None if row is None else ctx.table.replicas[row]
+
+    def _pick_few(self, ctx: RouteContext, kept: np.ndarray | None) -> int | None:
+        if self.few_rows is not None:
+            try:
+                return self.few_rows(ctx, kept)
+            except OverflowError:  # a peer's token counts past int64: Python's ints take them
+                pass
+        return self.picker.pick_few(ctx, self._sum_few(ctx), kept)

@@ -170,3 +170,17 @@ def test_the_compiled_pick_refuses_vectors_it_cannot_read(
         _few_rows.kv_aware_pick(
             *vectors.values(), 100, 64.0, 1.0, 0, False, 4.0, 0.0, None, 1.0, 0.5, 1.0, 0
         )
+
+
+def test_token_counts_past_int64_take_the_python_path() -> None:
+    """A peer's Route may say more tokens than int64 holds (msgspec reads up to 2**64 - 1):
+    the compiled pick cannot take them, the Python path picks as it always did."""
+    built = build_policy(RoutingConfig(), random.Random(5))
+    ctx = random_context(random.Random(6), 4)
+    ctx.request.prompt_tokens = 2**64 - 1
+    picker = built.picker
+    turn = picker._turn  # type: ignore[attr-defined]
+    expected = picker.pick_few(ctx, built._sum_few(ctx), built.keep_mask(ctx))
+    picker._turn = turn - 1  # type: ignore[attr-defined]  # the compiled try draws one turn
+    chosen = built.pick(ctx)
+    assert chosen is not None and chosen.row == expected
