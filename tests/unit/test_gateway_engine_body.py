@@ -7,9 +7,7 @@ app and router; the engine is a small HTTP server on loopback that records the b
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -20,61 +18,26 @@ from hpcserve.contracts import protocol as p
 from hpcserve.contracts.cache_salt import tenant_salt
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.app import Gateway, build_app
+from tests.engine_stub import EVENT_STREAM, JSON, USAGE, StubEngine, chat_answer, chat_stream
 from tests.routers import loopback_router_config, running_router
 
 KEY = "sk-body"
-USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
-class Engine:
-    """Records each request body's bytes; answers a chat completion, streamed when asked
-    (with the usage so far on each event when asked for continuous usage)."""
+class Engine(StubEngine):
+    """Answers a chat completion, streamed when asked (with the usage so far on each event
+    when asked for continuous usage)."""
 
-    def __init__(self) -> None:
-        self.bodies: list[bytes] = []
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers["content-length"]))
-                engine.bodies.append(raw)
-                body = json.loads(raw)
-                if body.get("stream"):
-                    options = body.get("stream_options") or {}
-                    running = {"usage": USAGE} if options.get("continuous_usage_stats") else {}
-                    events = [{"choices": [{"index": 0, "delta": {"content": "ab"}}], **running}]
-                    if options.get("include_usage"):
-                        events.append({"choices": [], "usage": USAGE})
-                    data = b"".join(
-                        b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk",
-                                                 "created": 0, "model": "m", **e}).encode() + b"\n\n"
-                        for e in events
-                    ) + b"data: [DONE]\n\n"  # fmt: skip
-                    kind = "text/event-stream"
-                else:
-                    data = json.dumps({
-                        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
-                        "choices": [{"index": 0, "finish_reason": "stop",
-                                     "message": {"role": "assistant", "content": "ab"}}],
-                        "usage": USAGE,
-                    }).encode()  # fmt: skip
-                    kind = "application/json"
-                self.send_response(200)
-                self.send_header("content-type", kind)
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+    def answer(self, body: bytes) -> tuple[int, str, bytes]:
+        request = json.loads(body)
+        if not request.get("stream"):
+            return 200, JSON, chat_answer("ab", "stop")
+        options = request.get("stream_options") or {}
+        running = {"usage": USAGE} if options.get("continuous_usage_stats") else {}
+        events = [{"choices": [{"index": 0, "delta": {"content": "ab"}}], **running}]
+        if options.get("include_usage"):
+            events.append({"choices": [], "usage": USAGE})
+        return 200, EVENT_STREAM, chat_stream(events)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +100,7 @@ def test_the_engine_gets_the_clients_body_with_the_gateways_keys(
         headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
     )
     assert reply.status_code == 200, reply.text
-    sent = json.loads(engine.bodies[-1], object_pairs_hook=_unique_keys)
+    sent = json.loads(engine.raw[-1], object_pairs_hook=_unique_keys)
     expected = json.loads(body)
     expected["cache_salt"] = tenant_salt("t", salt_of)
     if options is not None:

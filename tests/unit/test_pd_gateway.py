@@ -10,7 +10,6 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import openai
@@ -23,6 +22,7 @@ from hpcserve.contracts import protocol as p
 from hpcserve.engine_launch.agent import RegistryAgent
 from hpcserve.gateway.app import Gateway, build_app
 from hpcserve.router.server import RouterServer
+from tests.engine_stub import EVENT_STREAM, JSON, USAGE, StubEngine, chat_answer, chat_stream
 from tests.routers import loopback_router_config, running_router
 from tests.waiting import until
 
@@ -30,9 +30,9 @@ KEY = "sk-pd"
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]]}
 
 
-class Engine:
-    """An engine stub: answers chat completions (streamed when asked), or `status` with an
-    error; records each request body."""
+class Engine(StubEngine):
+    """Answers chat completions (streamed when asked), or `status` with an error; keeps each
+    request body decoded in `bodies`."""
 
     def __init__(
         self, status: int = 200, params: dict[str, Any] | None = None, *, stall: bool = False
@@ -44,65 +44,26 @@ class Engine:
         self.released = threading.Event()
         if not stall:
             self.released.set()
-        engine = self
+        super().__init__()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                engine.bodies.append(body)
-                engine.released.wait(120)
-                if engine.status != 200:
-                    self._send(engine.status, b'{"error": {"message": "boom"}}', "json")
-                elif body.get("stream"):
-                    events = [
-                        {"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("a", "b")
-                    ]
-                    events.append(
-                        {
-                            "choices": [],
-                            "usage": {
-                                "prompt_tokens": 3,
-                                "completion_tokens": 2,
-                                "total_tokens": 5,
-                            },
-                        }
-                    )
-                    data = b"".join(
-                        b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk",
-                                                 "created": 0, "model": "m", **e}).encode() + b"\n\n"
-                        for e in events
-                    ) + b"data: [DONE]\n\n"  # fmt: skip
-                    self._send(200, data, "event-stream")
-                else:
-                    answer: dict[str, Any] = {
-                        "id": "c", "object": "chat.completion", "created": 0, "model": "m",
-                        "choices": [{"index": 0, "finish_reason": "length",
-                                     "message": {"role": "assistant", "content": "ab"}}],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
-                    }  # fmt: skip
-                    if engine.params is not None:
-                        answer["kv_transfer_params"] = engine.params
-                    self._send(200, json.dumps(answer).encode(), "json")
-
-            def _send(self, status: int, data: bytes, kind: str) -> None:
-                self.send_response(status)
-                media = "application/json" if kind == "json" else "text/event-stream"
-                self.send_header("content-type", media)
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def answer(self, raw: bytes) -> tuple[int, str, bytes]:
+        body = json.loads(raw)
+        self.bodies.append(body)
+        self.released.wait(120)
+        if self.status != 200:
+            return self.status, JSON, b'{"error": {"message": "boom"}}'
+        if body.get("stream"):
+            events: list[dict[str, Any]] = [
+                {"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("a", "b")
+            ]
+            events.append({"choices": [], "usage": USAGE})
+            return 200, EVENT_STREAM, chat_stream(events)
+        extra = {} if self.params is None else {"kv_transfer_params": self.params}
+        return 200, JSON, chat_answer("ab", "length", **extra)
 
     def close(self) -> None:
         self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().close()
 
 
 @contextmanager
