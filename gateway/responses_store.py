@@ -29,7 +29,8 @@ from typing import Any
 
 import msgspec
 
-from hpcserve.contracts.private_files import private_dir, private_file
+from hpcserve.contracts.private_files import private_dir
+from hpcserve.gateway.sqlite_wal import connect_wal
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,7 @@ class ResponseStore:
             self._db = sqlite3.connect(":memory:", check_same_thread=False, isolation_level=None)
         else:
             private_dir(root)
-            self._db = sqlite3.connect(
-                private_file(root / "responses.sqlite3"),
-                check_same_thread=False,
-                isolation_level=None,
-            )
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=5000")
+            self._db = connect_wal(root / "responses.sqlite3")
         self._db.executescript(_SCHEMA)
         self._pruned_at = 0.0
 

@@ -40,18 +40,29 @@ def wait_healthy(
     timeout_s: float = 60,
     *,
     http: httpx.Client | None = None,
+    log: Path | None = None,
 ) -> None:
-    """Until `url`/health answers; fails at once if the process has exited. `http`: the
-    client to ask with (e.g. one trusting a test certificate)."""
+    """Until `url`/health answers; fails at once if the process has exited, with the end of
+    its `log` (where its stderr goes) when given. `http`: the client to ask with (e.g. one
+    trusting a test certificate)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             (http.get if http is not None else httpx.get)(url + "/health", timeout=1)
             return
         except httpx.TransportError:
-            assert proc.poll() is None, f"{proc.args!r} exited with {proc.returncode}"
+            assert proc.poll() is None, (
+                f"{proc.args!r} exited with {proc.returncode}{_log_tail(log)}"
+            )
             assert time.monotonic() < deadline, f"{url} not healthy after {timeout_s:g} s"
             time.sleep(0.1)
+
+
+def _log_tail(log: Path | None, lines: int = 30) -> str:
+    if log is None or not log.exists():
+        return ""
+    tail = log.read_text(errors="replace").splitlines()[-lines:]
+    return "; the end of its stderr:\n" + "\n".join(tail)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 20) -> None:
@@ -89,14 +100,16 @@ def gateways(
     timeout_s: float = 30,
 ) -> Iterator[list[str]]:
     """`count` gateway processes of one router, each from its own config file in `work` (the
-    `gateway` settings and a port of its own; `model` a pool of simulated engines); yields
-    their URLs once every one answers /health; always stopped."""
+    `gateway` settings and a port of its own; `model` a pool of simulated engines), `work`
+    their shared state dir and where their stderr goes (gateway<i>.log); yields their URLs
+    once every one answers /health; always stopped."""
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []
     try:
         for i in range(count):
             port = free_port()
             config = parse_config({
+                "state_dir": str(work),
                 "router": {"registry_bind": router.registry_bind,
                            "routing_bind": router.routing_bind,
                            "lease_s": router.lease_s, "heartbeat_s": router.heartbeat_s,
@@ -107,14 +120,13 @@ def gateways(
             })  # fmt: skip
             path = work / f"gateway{i}.toml"
             path.write_text(dump_config(config))
-            procs.append(
-                subprocess.Popen(
-                    gateway_argv(path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            with (work / f"gateway{i}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(gateway_argv(path), stdout=subprocess.DEVNULL, stderr=log)
                 )
-            )
             urls.append(f"http://127.0.0.1:{port}")
-        for url, proc in zip(urls, procs, strict=True):
-            wait_healthy(url, proc, timeout_s)
+        for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
+            wait_healthy(url, proc, timeout_s, log=work / f"gateway{i}.log")
         yield urls
     finally:
         for proc in procs:

@@ -26,8 +26,9 @@ from typing import IO, Any
 import msgspec
 
 from hpcserve.contracts.batch_backlog import FileSummary
-from hpcserve.contracts.private_files import private_dir, private_file, private_opener
+from hpcserve.contracts.private_files import private_dir, private_opener
 from hpcserve.gateway.batch.validate import split_lines
+from hpcserve.gateway.sqlite_wal import connect_wal
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("failed", "completed", "expired", "cancelled")
@@ -192,12 +193,7 @@ class BatchStore:
         private_dir(root)
         private_dir(self.files_dir)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(
-            private_file(root / "batch.sqlite3"), check_same_thread=False, isolation_level=None
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db = connect_wal(root / "batch.sqlite3")
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
