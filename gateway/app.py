@@ -53,6 +53,7 @@ from hpcserve.gateway.metrics import GatewayMetrics
 from hpcserve.gateway.overflow import ExternalAPI
 from hpcserve.gateway.quota import QuotaExceeded, QuotaGate, has_limits, keep_quota_synced
 from hpcserve.gateway.relay import FORWARDED_REQUEST_HEADERS, Relay, UpstreamFailed
+from hpcserve.gateway.request_ids import new_request_id
 from hpcserve.gateway.responses import responses_routes
 from hpcserve.gateway.route_hints import body_hints, body_plan
 from hpcserve.gateway.routing_client import RouterUnavailable, Routing, RoutingClient
@@ -347,7 +348,7 @@ class Gateway:
         if self.audit.enabled:
             # One id in the audit line, the engine's log and its response id (chatcmpl-<id>).
             if "x-request-id" not in headers:
-                headers["x-request-id"] = os.urandom(12).hex()
+                headers["x-request-id"] = new_request_id()
             request.scope["hpcserve.request_id"] = headers["x-request-id"]
         span = None
         if self.tracing is not None:
@@ -773,7 +774,7 @@ class Gateway:
                 completion_tokens=completion,
                 status=status,
                 replica=replica,
-                request_id=(request_id or os.urandom(12).hex())[:128],
+                request_id=(request_id or new_request_id())[:128],
             )
         )
 
@@ -815,7 +816,7 @@ def _request_id(scope: MutableMapping[str, Any]) -> str:
     one (kept in the scope, so that every line about the request names the same)."""
     request_id = scope.get("hpcserve.request_id") or _header(scope, b"x-request-id")
     if not request_id:
-        request_id = scope["hpcserve.request_id"] = os.urandom(12).hex()
+        request_id = scope["hpcserve.request_id"] = new_request_id()
     return str(request_id)[:128]
 
 

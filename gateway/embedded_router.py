@@ -28,6 +28,7 @@ from typing import Any, Protocol, TypeVar
 from hpcserve.contracts import protocol as p
 from hpcserve.gateway.replica_view import ReplicaView
 from hpcserve.gateway.routing_client import RouterUnavailable
+from hpcserve.gateway.running_loop import RunningLoop
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class EmbeddedRouting:
         self._thread: threading.Thread | None = None
         self._viewer: asyncio.Task[None] | None = None
         self._batch: list[tuple[p.Route, asyncio.Future[p.RouteReply]]] = []
+        self._loop = RunningLoop()
         # Replicas routed to and not released yet (a prefill and its decode count two): with
         # none, no other request of this gateway is past its Route, and a decision waits
         # for no batch (see _decided). A heuristic only: a count off by some costs time.
@@ -150,14 +152,15 @@ class EmbeddedRouting:
         When no other routed request is in flight (concurrency 1), there is no batch to
         wait for: the decision runs now, and the request does not pass through two more
         loop iterations (docs/benchmarks.md, issue 23's ninth pass)."""
-        future: asyncio.Future[p.RouteReply] = asyncio.get_running_loop().create_future()
+        loop = self._loop.get()
+        future: asyncio.Future[p.RouteReply] = loop.create_future()
         if self._unreleased <= 0 and not self._batch:
             with self.server.lock:
                 self._decide(route, future)
             return future
         self._batch.append((route, future))
         if len(self._batch) == 1:
-            asyncio.get_running_loop().call_soon(self._decide_batch)
+            loop.call_soon(self._decide_batch)
         return future
 
     def _decide_batch(self) -> None:

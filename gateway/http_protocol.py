@@ -14,6 +14,10 @@ connection writes what is held first.
 It also tells a streaming app that its client has gone without a task of its own watching
 `receive()` for http.disconnect: each request's scope holds the connection's
 ConnectionLoss under CONNECTION_LOST.
+
+And a request body that arrives in one piece reaches the app as the bytes the parser made:
+uvicorn appends every piece to a bytearray and copies that into new bytes on `receive()`,
+two copies of a chat body (docs/benchmarks.md, issue 23's twelfth pass).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, cast
 
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 # What uvicorn's head write starts with (its STATUS_LINE table); a body that happens to start
@@ -110,6 +115,25 @@ class OneSendHttpProtocol(HttpToolsProtocol):
         self._loss = ConnectionLoss()
         wrapped = OneSendTransport(cast(asyncio.Transport, transport), self.loop)
         super().connection_made(cast(asyncio.Transport, wrapped))
+
+    def on_body(self, body: bytes) -> None:
+        """uvicorn's, keeping a first piece as it came: the cycle's `receive()` passes on
+        `bytes(cycle.body)`, which is that piece itself, uncopied. A second piece before
+        `receive()` took the first joins it in a bytearray, as uvicorn's does."""
+        cycle = self.cycle
+        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
+            return
+        held = cast("bytes | bytearray", cycle.body)
+        if not held:
+            cycle.body = body  # type: ignore[assignment]
+        elif type(held) is bytes:
+            cycle.body = bytearray(held)
+            cycle.body += body
+        else:
+            held += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

@@ -39,6 +39,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from hpcserve.gateway.running_loop import RunningLoop
+
 # Body bytes received and not yet taken by a streaming caller before reading pauses.
 HIGH_WATER = 1 << 20
 _TARGETS_MAX = 4096  # URLs remembered with their pool and request line
@@ -620,6 +622,7 @@ class UpstreamClient:
         self.max_connections = max_connections
         self.keepalive_s = keepalive_s
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self._running = RunningLoop()
         self._pools: dict[tuple[str, str, int], _Pool] = {}
         self._targets: dict[tuple[str, str], tuple[_Pool, bytes]] = {}
         self._ssl = ssl_context  # for https origins; default: the system's trusted CAs
@@ -638,21 +641,22 @@ class UpstreamClient:
         """Send the request; return once the answer's status and headers are in."""
         if self.closed:
             raise UpstreamConnectError("The upstream client is closed")
-        loop = asyncio.get_running_loop()
+        loop = self._running.get()
         if loop is not self.loop:
             self._bind(loop)
         target = self._targets.get((method, url))
         if target is None:
             target = self._target(method, url)
         pool, start = target
-        data = request_head(start, headers, len(body)) + body
+        # Head and body in one writev(2), the body not copied behind the head.
+        data = (request_head(start, headers, len(body)), body)
         fresh = False
         while True:
             conn = await pool.acquire(fresh=fresh)
             reused = conn.requests > 0
             response = UpstreamResponse(conn, self)
             assert conn.transport is not None
-            conn.transport.write(data)
+            conn.transport.writelines(data)
             try:
                 await response._headers()
             except UpstreamDisconnected:

@@ -7,6 +7,8 @@ ends on it in its own task (app.py _send_response)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import random
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -129,6 +131,21 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         for part in (b"data: 1\n\n", b"data: 2\n\n"):
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
+        return
+    if path in ("/collect", "/collect-late"):  # the whole body: its digest and pieces
+        if path == "/collect-late":  # the pieces sent meanwhile wait together in the cycle
+            await asyncio.sleep(0.3)
+        pieces: list[bytes] = []
+        while True:
+            message = await receive()
+            assert type(message["body"]) is bytes
+            pieces.append(message["body"])
+            if not message.get("more_body"):
+                break
+        answer = b"%s %d" % (hashlib.sha256(b"".join(pieces)).hexdigest().encode(), len(pieces))
+        headers = [(b"content-length", b"%d" % len(answer))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
         return
     message = await receive()
     echo = message.get("body", b"") or b"empty"
@@ -307,5 +324,51 @@ def test_a_relay_that_fails_still_ends_its_exchange(watched: bool) -> None:
         with pytest.raises(RuntimeError, match="a bug in the send path"):
             await _send_response(relayed.response(), scope, never_receive, broken_send)
         assert relayed.finished[-1:] == [0], "the response's background task ran"
+
+    asyncio.run(main())
+
+
+def test_a_request_body_reaches_the_app_whole_in_one_piece_or_many() -> None:
+    """OneSendHttpProtocol.on_body keeps a first piece uncopied: bodies sent whole, in pieces
+    with pauses between (each a separate read), and past uvicorn's 64 KiB high-water mark
+    (reading paused and resumed) reach the app whole and in order."""
+    rng = random.Random(7)
+    small = bytes(rng.randrange(256) for _ in range(7000))
+    large = rng.randbytes(1 << 20)
+
+    async def post_raw(port: int, body: bytes, pieces: int, path: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % (path, len(body))
+        writer.write(head)
+        step = -(-len(body) // pieces)
+        for start in range(0, len(body), step):
+            writer.write(body[start : start + step])
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        answer = await reader.read(1 << 16)
+        writer.close()
+        return answer.split(b"\r\n\r\n", 1)[1]
+
+    async def main() -> None:
+        port = free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, http=OneSendHttpProtocol, lifespan="off",
+            log_config=None, access_log=False,
+        )  # fmt: skip
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            for body, pieces in ((small, 1), (small, 5), (large, 1), (large, 7), (b"x", 1)):
+                for path in (b"/collect", b"/collect-late"):
+                    answer = await post_raw(port, body, pieces, path)
+                    digest, _, received = answer.partition(b" ")
+                    assert digest.decode() == hashlib.sha256(body).hexdigest(), (pieces, path)
+                    if path == b"/collect-late" and len(body) < (1 << 16):
+                        assert int(received) == 1  # the pieces joined in the cycle
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(serving, 10)
 
     asyncio.run(main())
