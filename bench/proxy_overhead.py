@@ -45,14 +45,18 @@ and N, requests/s (the proxy has one core, so this is per core) and the proxy's 
 per request (from /proc, less sensitive to the machine's other load than req/s): for a
 gateway, its own and the router's (heartbeats included) while the target ran, the router's
 share also given alone. The machine's load average before and after is printed with the
-table.
+table. `--syscalls`: each target's system calls per request instead (strace -c attached to
+its process and, for the rungs with one, the router's, while wrk runs; by name, the five
+most frequent shown; strace slows the traced process, so that run's timings are not the
+proxy's), into bench/results/proxy_overhead_syscalls.json.
 
     .venv/bin/python bench/proxy_overhead.py [--rounds 3] [--seconds 5] [--concurrency 64]
         [--upstream nginx|python] [--only relay,tracing] [--bodies chat|small]
         [--cases chat1,chat,stream1,stream,repeat] [--rust-venv DIR] [--router-core 0]
-        [--gateway-http one-send|httptools] [--baseline DIR]
+        [--gateway-http one-send|httptools] [--baseline DIR] [--syscalls]
 
-Needs wrk (Debian package `wrk`) and, by default, nginx (`nginx-light`). Prints a markdown
+Needs wrk (Debian package `wrk`), by default nginx (`nginx-light`), and for `--syscalls`
+strace. Prints a markdown
 table and writes bench/results/proxy_overhead.json.
 """
 
@@ -647,6 +651,44 @@ def settle(pids: list[int], limit_s: float = 10.0) -> None:
         before = now
 
 
+def parse_strace_counts(text: str) -> dict[str, int]:
+    """System call name -> calls, from `strace -c`'s summary table."""
+    calls: dict[str, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        # % time, seconds, usecs/call, calls, [errors,] syscall
+        if (
+            len(fields) in (5, 6)
+            and fields[0].replace(".", "", 1).isdigit()
+            and fields[-1] != "total"
+            and fields[3].isdigit()
+        ):
+            calls[fields[-1]] = calls.get(fields[-1], 0) + int(fields[3])
+    return calls
+
+
+def trace_syscalls(pid: int, out: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """strace -c on `pid` and its threads until stop_tracing; attached once this returns."""
+    tracer = subprocess.Popen(
+        ["strace", "-c", "-f", "-p", str(pid), "-o", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # attached to every thread (strace has no signal for it)
+    return tracer, out
+
+
+def stop_tracing(tracers: list[tuple[subprocess.Popen[bytes], Path]]) -> dict[str, int]:
+    """Detach (SIGINT) and sum the calls of every traced process by name."""
+    total: dict[str, int] = {}
+    for tracer, out in tracers:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(30)
+        for name, n in parse_strace_counts(out.read_text()).items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -693,6 +735,13 @@ def main() -> None:
         default="one-send",
         help="the gateways' HTTP protocol: one-send (the gateway's own, default: each answer "
         "in one send) or httptools (uvicorn's: head and body in two sends), for an A/B",
+    )
+    parser.add_argument(
+        "--syscalls",
+        action="store_true",
+        help="count each target's system calls per request (strace -c on its process, every "
+        "thread; the router process's too for the rungs that have one): strace slows what it "
+        "traces, so this run's timings compare with nothing",
     )
     parser.add_argument(
         "--baseline",
@@ -875,7 +924,17 @@ def main() -> None:
                     gateway = feature in FEATURES and feature not in ("relay", "embedded")
                     cpu_before = cpu_seconds(pid) if pid else 0.0
                     router_before = cpu_seconds(router.pid) if gateway else 0.0
+                    tracers = (
+                        [trace_syscalls(x, work / f"strace-{x}.txt")
+                         for x in ([pid, router.pid] if gateway else [pid])]
+                        if args.syscalls and pid else []
+                    )  # fmt: skip
                     r = run_wrk(base + "/v1/chat/completions", script, conns, args.seconds)
+                    if tracers:
+                        calls = stop_tracing(tracers)
+                        served = r["rps"] * args.seconds
+                        r["syscalls"] = sum(calls.values()) / served
+                        r["syscalls_by_name"] = {k: v / served for k, v in calls.items()}
                     if pid and r["rps"] > 0:
                         requests = r["rps"] * args.seconds
                         used = cpu_seconds(pid) - cpu_before
@@ -945,6 +1004,32 @@ def main() -> None:
                 f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {routed} | {ratio} |"
             )
             rows.append({"case": key, "target": name, **m})
+    if args.syscalls:
+        print(
+            "\nSystem calls per request (strace -c; medians over the rounds; the five most "
+            "frequent)\n\n| case | target | system calls per request | most frequent |"
+            "\n|---|---|---|---|"
+        )
+        for key, by_target in results.items():
+            for name, runs in by_target.items():
+                if not all("syscalls" in r for r in runs):
+                    continue
+                names = {n for r in runs for n in r["syscalls_by_name"]}
+                per = {
+                    n: statistics.median(r["syscalls_by_name"].get(n, 0.0) for r in runs)
+                    for n in names
+                }
+                top = sorted(per.items(), key=lambda kv: -kv[1])[:5]
+                label = name if name in ("relay", *RUST_ROUTERS) else "+ " + name
+                print(
+                    f"| {key} | {label} | {statistics.median(r['syscalls'] for r in runs):.1f} | "
+                    + ", ".join(f"{n} {v:.2f}" for n, v in top)
+                    + " |"
+                )
+    for row in rows:
+        runs = results[row["case"]][row["target"]]
+        if all("syscalls" in r for r in runs):
+            row["syscalls"] = statistics.median(r["syscalls"] for r in runs)
     paired = paired_ratios(results)
     if paired:
         print(
@@ -969,8 +1054,10 @@ def main() -> None:
         "router_core": args.router_core,
         "load_before": load_before,
         "load_after": load_after,
+        "syscalls_traced": args.syscalls,
     }
-    write_results("proxy_overhead", {"rows": rows, "paired": paired}, meta)
+    name = "proxy_overhead_syscalls" if args.syscalls else "proxy_overhead"
+    write_results(name, {"rows": rows, "paired": paired}, meta)
 
 
 def paired_ratios(results: dict[str, dict[str, list[dict[str, float]]]]) -> list[dict[str, Any]]:
