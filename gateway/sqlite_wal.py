@@ -30,8 +30,7 @@ def connect_wal(path: Path, busy_timeout_s: float = BUSY_TIMEOUT_S) -> sqlite3.C
         check_same_thread=False,
         isolation_level=None,
     )
-    try:
-        db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+    try:  # the busy timeout is connect's `timeout`
         deadline = time.monotonic() + busy_timeout_s
         while True:
             try:

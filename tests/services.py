@@ -105,6 +105,7 @@ def gateways(
     once every one answers /health; always stopped."""
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []
+    logs = [work / f"gateway{i}.log" for i in range(count)]
     try:
         for i in range(count):
             port = free_port()
@@ -120,13 +121,13 @@ def gateways(
             })  # fmt: skip
             path = work / f"gateway{i}.toml"
             path.write_text(dump_config(config))
-            with (work / f"gateway{i}.log").open("wb") as log:
+            with logs[i].open("wb") as log:
                 procs.append(
                     subprocess.Popen(gateway_argv(path), stdout=subprocess.DEVNULL, stderr=log)
                 )
             urls.append(f"http://127.0.0.1:{port}")
-        for i, (url, proc) in enumerate(zip(urls, procs, strict=True)):
-            wait_healthy(url, proc, timeout_s, log=work / f"gateway{i}.log")
+        for url, proc, log_path in zip(urls, procs, logs, strict=True):
+            wait_healthy(url, proc, timeout_s, log=log_path)
         yield urls
     finally:
         for proc in procs:
