@@ -13,8 +13,10 @@ SLO (autoscale.capacity, poolmgr/autoscale_capacity.py; else the config's
 `target_in_flight`), or fewer where the engines show they run fewer: a replica that queues
 requests (waiting > 0) runs all it can, so its running count is what one replica holds (its
 max_num_seqs or KV room). The load needs ceil(load / capacity) replicas, plus
-`warm_spares`; a forecast rate needs ceil(rate / the modelled requests/s per replica) (by
-Little's law from the measured in-flight time when not modelled).
+`warm_spares`; a forecast rate needs its requests in flight (rate x a request's time in a
+replica, Little's law) over the capacity: that time measured on the pool's own engines once
+enough requests ran (poolmgr/request_time.py), else the model's (its in flight over its
+requests/s), else the load now over the rate now.
 
 Rules, every one clamped to autoscale.min..max:
 - up, fast: when the engines queue more than `max_waiting_per_replica` per replica, the KV
@@ -55,6 +57,7 @@ from typing import Literal
 
 from hpcserve.config import AutoscaleConfig
 from hpcserve.poolmgr.autoscale_roles import watches
+from hpcserve.poolmgr.request_time import MeasuredTime
 
 # With a forecast, the scale-down window's share of the forecast horizon (the pool's
 # measured cold start), at most scale_down_window_s (docs/benchmarks.md, issue 19 third
@@ -109,6 +112,9 @@ class Signals:
     capacity: int | None = None
     capacity_rps: float | None = None
     capacity_source: str = ""
+    # A request's time running in a replica, measured on the pool's engines (Little's law,
+    # poolmgr/request_time.py); None: too few requests yet (the model's time holds).
+    request_time: MeasuredTime | None = None
     # A pool of higher priority waits for GPUs (poolmgr/gpu_take.py): this one does not grow
     # (it would compete for the same GPUs); "": none waits.
     yield_to: str = ""
@@ -151,6 +157,10 @@ class Signals:
         now = self.per_replica(target_in_flight, queued_over)
         if now < modelled:
             text += f"; its engines queue at {now} running, so {now} holds now"
+        if self.request_time is not None:
+            text += f"; a request runs {self.request_time.describe()}"
+            if self.capacity and self.capacity_rps:
+                text += f" (the model: {self.capacity / self.capacity_rps:.3g} s)"
         return text
 
     def summary(self) -> str:
@@ -175,9 +185,12 @@ class Signals:
         return cfg.queueing_margin if self.capacity and self.capacity_rps else 0.0
 
     def request_s(self) -> float | None:
-        """Seconds a request spends in a replica: the model's (its in flight over its
-        requests/s), else Little's law on what is measured now (in flight over the arrival
-        rate); None: neither is known."""
+        """Seconds a request spends in a replica: measured on the pool's engines over the
+        last hour (request_time), else the model's (its in flight over its requests/s), else
+        Little's law on what is measured now (in flight over the arrival rate); None: none
+        is known."""
+        if self.request_time is not None:
+            return self.request_time.seconds
         if self.capacity and self.capacity_rps:
             return self.capacity / self.capacity_rps
         if self.rate_rps and self.load:

@@ -43,6 +43,7 @@ from hpcserve.poolmgr.batch_pools import is_elastic
 from hpcserve.poolmgr.forecast import Forecasts
 from hpcserve.poolmgr.gpu_take import WAITING_FOR_GPUS, Donor, Shape, Waiting, choose
 from hpcserve.poolmgr.reconcile import ObservedJob
+from hpcserve.poolmgr.request_time import RequestTimes
 from hpcserve.poolmgr.slo_windows import Kind, SloWindows
 from hpcserve.poolmgr.spec import job_partition
 
@@ -78,6 +79,14 @@ class AutoscaleMetrics:
             ["pool", "kind"],
             registry=registry,
         )
+        self.request_seconds = Gauge(
+            "hpcserve_poolmgr_autoscale_request_seconds",
+            "A request's time running in one of an autoscaled pool's replicas, as the "
+            "forecast's sizing uses it (source measured: on its engines over the last hour, "
+            "poolmgr/request_time.py; modelled: the capacity planner's)",
+            ["pool", "source"],
+            registry=registry,
+        )
         self.decisions = Counter(
             "hpcserve_poolmgr_autoscale_decisions_total",
             "Changes of an autoscaled pool's target, by direction (up, down, override)",
@@ -102,6 +111,8 @@ class AutoscaledPools:
         self._first = True  # no routed counts to compare with yet
         self.slo = SloWindows()  # the engines' TTFT/TPOT histograms over time
         self.capacities = Capacities()  # what one replica sustains (autoscale_capacity.py)
+        self.request_times = RequestTimes()  # a request's time in a replica, measured
+        self._timed: dict[str, bool] = {}  # pool -> its sizing uses the measured time
         # pool -> why it must not grow: a pool of higher priority waits for GPUs (take_gpus)
         self.yield_to: dict[str, str] = {}
         self._take_reason = ""  # why nothing was taken at the last poll (logged on change)
@@ -130,7 +141,9 @@ class AutoscaledPools:
         local = datetime.fromtimestamp(now)  # schedules are in the host's local time
         routed_before = self._routed
         first = self._first
-        if replicas is not None:
+        if replicas is None:
+            self.request_times.gap()
+        else:
             self._first = False
             self._routed = {r.replica_id: r.routed for r in replicas}
             longest = max(
@@ -140,10 +153,15 @@ class AutoscaledPools:
         scaled = {pool.name: pool for pool in config.pools if pool.autoscale is not None}
         for name in set(self.states) - set(scaled):  # autoscale removed by a reload
             del self.states[name]
+            self.request_times.forget(name)
+            self._timed.pop(name, None)
             self.active_at.pop(name, None)
             self.decisions.pop(name, None)
             self.signals.pop(name, None)
             self.metrics.target.remove(name)
+            for source in ("measured", "modelled"):
+                with contextlib.suppress(KeyError):
+                    self.metrics.request_seconds.remove(name, source)
             for slo in ("ttft", "tpot"):
                 with contextlib.suppress(KeyError):
                     self.metrics.slo_objective.remove(name, slo)
@@ -205,6 +223,20 @@ class AutoscaledPools:
                 arrivals = sum(max(r.routed - routed_before.get(r.replica_id, 0), 0)
                                for r in serving)  # fmt: skip
                 self.forecasts.observe(name, round(arrivals * self.speedup), now, self.speedup)
+                if pool.role == "interactive":  # prefill and decode pools: their own model
+                    # Draining replicas too: they still run what was routed to them.
+                    mine = [r for r in replicas if r.pool == name]
+                    self.request_times.observe(
+                        name,
+                        now,
+                        sum(r.load.running for r in mine),
+                        sum(max(r.routed - routed_before.get(r.replica_id, 0), 0) for r in mine),
+                        self.speedup,
+                        sum(r.load.running + r.load.waiting for r in mine),
+                    )
+                    signals = replace(signals, request_time=self.request_times.measured(name))
+                    self._log_request_time(name, signals)
+            self._export_request_time(name, signals)
             horizon = (lead_s or {}).get(name, 0.0)
             signals = replace(
                 signals,
@@ -232,6 +264,28 @@ class AutoscaledPools:
             self.metrics.target.labels(name).set(decision.target)
             out[name] = decision.target
         return out
+
+    def _log_request_time(self, pool: str, sig: Signals) -> None:
+        """One line when the forecast's sizing starts or stops using the measured time."""
+        measured = sig.request_time is not None
+        if measured == self._timed.get(pool, False):
+            return
+        self._timed[pool] = measured
+        if sig.request_time is not None:
+            log.info("pool %s: sizing with a request's measured time in a replica, %s",
+                     pool, sig.request_time.describe())  # fmt: skip
+        else:
+            log.info("pool %s: too few requests in the last hour to measure their time in a "
+                     "replica: sizing with the model's again", pool)  # fmt: skip
+
+    def _export_request_time(self, pool: str, sig: Signals) -> None:
+        for source, seconds in (
+            ("measured", sig.request_time.seconds if sig.request_time else None),
+            ("modelled", sig.capacity / sig.capacity_rps
+                         if sig.capacity and sig.capacity_rps else None),
+        ):  # fmt: skip
+            if seconds is not None:
+                self.metrics.request_seconds.labels(pool, source).set(seconds)
 
     def _export_slo(self, pool: str, sig: Signals) -> None:
         for slo, window, value in (
