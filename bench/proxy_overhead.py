@@ -44,7 +44,8 @@ process doing both; wrk and the upstream share core 1. Per target: p50/p99 at co
 and N, requests/s (the proxy has one core, so this is per core) and the proxy's CPU time
 per request (from /proc, less sensitive to the machine's other load than req/s): for a
 gateway, its own and the router's (heartbeats included) while the target ran, the router's
-share also given alone. The machine's load average before and after is printed with the
+share also given alone, and the kernel's share (system time: the sockets' and files' work
+for the proxy's system calls). The machine's load average before and after is printed with the
 table. `--syscalls`: each target's system calls per request instead (strace -c attached to
 its process and, for the rungs with one, the router's, while wrk runs; by name, the five
 most frequent shown; strace slows the traced process, so that run's timings are not the
@@ -631,9 +632,15 @@ def run_wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str,
     return {"p50_ms": latency_ms("50"), "p99_ms": latency_ms("99"), "rps": float(rps.group(1))}
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_split(pid: int) -> tuple[float, float]:
+    """A process's (user, system) CPU seconds so far, every thread's."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_split(pid))
 
 
 def settle(pids: list[int], limit_s: float = 10.0) -> None:
@@ -922,8 +929,8 @@ def main() -> None:
                     # A gateway with a router process (+ embedded's is in its own).
                     feature = name.removesuffix("@base")
                     gateway = feature in FEATURES and feature not in ("relay", "embedded")
-                    cpu_before = cpu_seconds(pid) if pid else 0.0
-                    router_before = cpu_seconds(router.pid) if gateway else 0.0
+                    cpu_before = cpu_split(pid) if pid else (0.0, 0.0)
+                    router_before = cpu_split(router.pid) if gateway else (0.0, 0.0)
                     tracers = (
                         [trace_syscalls(x, work / f"strace-{x}.txt")
                          for x in ([pid, router.pid] if gateway else [pid])]
@@ -937,12 +944,15 @@ def main() -> None:
                         r["syscalls_by_name"] = {k: v / served for k, v in calls.items()}
                     if pid and r["rps"] > 0:
                         requests = r["rps"] * args.seconds
-                        used = cpu_seconds(pid) - cpu_before
+                        user, system = (b - a for a, b in zip(cpu_before, cpu_split(pid)))
                         if gateway:
-                            routed = cpu_seconds(router.pid) - router_before
-                            r["router_cpu_us"] = routed / requests * 1e6
-                            used += routed
-                        r["cpu_us"] = used / requests * 1e6
+                            r_user, r_system = (
+                                b - a for a, b in zip(router_before, cpu_split(router.pid))
+                            )
+                            r["router_cpu_us"] = (r_user + r_system) / requests * 1e6
+                            user, system = user + r_user, system + r_system
+                        r["cpu_us"] = (user + system) / requests * 1e6
+                        r["kernel_cpu_us"] = system / requests * 1e6
                     settle([pid, router.pid] if gateway else [pid] if pid else [])
                     results.setdefault(key, {}).setdefault(name, []).append(r)
                     print(
@@ -979,14 +989,14 @@ def main() -> None:
     )
     print(
         "\n| case | target | p50 | added p50 | p99 | req/s (proxy on 1 core) "
-        "| proxy CPU per request | of which the router | CPU / relay's |"
+        "| proxy CPU per request | of which the kernel | of which the router | CPU / relay's |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key, by_target in results.items():
         med = {
             name: {
                 m: statistics.median(r[m] for r in runs)
-                for m in ("p50_ms", "p99_ms", "rps", "cpu_us", "router_cpu_us")
+                for m in ("p50_ms", "p99_ms", "rps", "cpu_us", "kernel_cpu_us", "router_cpu_us")
                 if all(m in r for r in runs)
             }
             for name, runs in by_target.items()
@@ -995,13 +1005,14 @@ def main() -> None:
         for name, m in med.items():
             added = m["p50_ms"] - med["direct"]["p50_ms"]
             cpu = f"{m['cpu_us']:.0f} us" if "cpu_us" in m else "-"
+            kernel = f"{m['kernel_cpu_us']:.0f} us" if "kernel_cpu_us" in m else "-"
             routed = f"{m['router_cpu_us']:.0f} us" if "router_cpu_us" in m else "-"
             ratio = f"{m['cpu_us'] / relay_cpu:.2f}x" if relay_cpu and "cpu_us" in m else "-"
             label = name if name in ("direct", "relay", *RUST_ROUTERS) else "+ " + name
             print(
                 f"| {key} | {label} | "
                 f"{m['p50_ms']:.2f} ms | {'-' if name == 'direct' else f'+{added:.2f} ms'} | "
-                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {routed} | {ratio} |"
+                f"{m['p99_ms']:.2f} ms | {m['rps']:.0f} | {cpu} | {kernel} | {routed} | {ratio} |"
             )
             rows.append({"case": key, "target": name, **m})
     if args.syscalls:
