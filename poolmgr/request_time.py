@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 # The window the time is measured over: an hour of the pool's traffic (a request's time in a
 # replica changes with the mix of requests, slowly; much longer than a request, so the
@@ -48,6 +49,18 @@ class MeasuredTime:
         return f"{self.seconds:.3g} s measured over {self.requests} requests"
 
 
+class _Poll(NamedTuple):
+    """What a pool did between two polls."""
+
+    start: float
+    end: float
+    running_s: float  # the running count integrated from start to end
+    requests: int  # routed in between
+    weight: float  # how many times each counts (a rehearsal's speedup)
+    held_before: int  # requests in the engines (running + waiting) at start
+    held_after: int  # ... at end
+
+
 class RequestTimes:
     """Per pool, the running requests integrated over time and the requests routed, over
     the last WINDOW_S."""
@@ -55,9 +68,7 @@ class RequestTimes:
     def __init__(self, window_s: float = WINDOW_S, min_requests: int = MIN_REQUESTS) -> None:
         self.window_s = window_s
         self.min_requests = min_requests
-        # pool -> per poll: (start, end, running-seconds between them, requests, weight,
-        # requests in the engines at the start, at the end)
-        self._polls: dict[str, deque[tuple[float, float, float, int, float, int, int]]] = {}
+        self._polls: dict[str, deque[_Poll]] = {}
         # pool -> (time, running, in the engines) at the last poll
         self._last: dict[str, tuple[float, int, int]] = {}
 
@@ -82,8 +93,8 @@ class RequestTimes:
         start, before, held_before = last
         polls = self._polls.setdefault(pool, deque())
         running_s = (before + running) / 2 * (now - start)
-        polls.append((start, now, running_s, requests, weight, held_before, held))
-        while polls and polls[0][1] <= now - self.window_s:
+        polls.append(_Poll(start, now, running_s, requests, weight, held_before, held))
+        while polls and polls[0].end <= now - self.window_s:
             polls.popleft()
 
     def gap(self) -> None:
@@ -99,14 +110,14 @@ class RequestTimes:
         polls = self._polls.get(pool)
         if not polls:
             return None
-        requests = sum(p[3] for p in polls)
-        running_s = sum(p[2] for p in polls)
+        requests = sum(p.requests for p in polls)
+        running_s = sum(p.running_s for p in polls)
         if requests < self.min_requests or running_s <= 0:
             return None
         # The requests that came less half of those that stayed (module docstring); each
         # poll's growth at that poll's weight, as its requests were counted.
-        weighted = sum(p[3] * p[4] for p in polls)
-        counted = weighted - sum((p[6] - p[5]) * p[4] for p in polls) / 2
+        weighted = sum(p.requests * p.weight for p in polls)
+        counted = weighted - sum((p.held_after - p.held_before) * p.weight for p in polls) / 2
         if counted < weighted / 2:  # a window mostly filling up: no figure yet
             return None
-        return MeasuredTime(running_s / counted, requests, polls[-1][1] - polls[0][0])
+        return MeasuredTime(running_s / counted, requests, polls[-1].end - polls[0].start)
