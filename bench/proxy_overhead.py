@@ -944,11 +944,12 @@ def main() -> None:
                         r["syscalls_by_name"] = {k: v / served for k, v in calls.items()}
                     if pid and r["rps"] > 0:
                         requests = r["rps"] * args.seconds
-                        user, system = (b - a for a, b in zip(cpu_before, cpu_split(pid)))
+                        user_now, system_now = cpu_split(pid)
+                        user, system = user_now - cpu_before[0], system_now - cpu_before[1]
                         if gateway:
-                            r_user, r_system = (
-                                b - a for a, b in zip(router_before, cpu_split(router.pid))
-                            )
+                            user_now, system_now = cpu_split(router.pid)
+                            r_user = user_now - router_before[0]
+                            r_system = system_now - router_before[1]
                             r["router_cpu_us"] = (r_user + r_system) / requests * 1e6
                             user, system = user + r_user, system + r_system
                         r["cpu_us"] = (user + system) / requests * 1e6
