@@ -22,11 +22,13 @@ import msgspec
 
 class LatencyHistogram(msgspec.Struct, frozen=True, array_like=True):
     """A Prometheus histogram as an engine exports it, cumulative since it started: the
-    count of observations <= each finite bound (`le`, ascending), and of all of them."""
+    count of observations <= each finite bound (`le`, ascending), of all of them, and their
+    sum (`_sum`; 0.0: not reported)."""
 
     bounds: list[float] = []
     counts: list[int] = []
     total: int = 0
+    sum: float = 0.0
 
 
 class ReplicaLoad(msgspec.Struct, frozen=True):

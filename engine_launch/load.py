@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -20,6 +21,10 @@ _HISTOGRAMS = {
     "vllm:time_to_first_token_seconds_bucket": "ttft",
     "vllm:request_time_per_output_token_seconds_bucket": "tpot",
 }
+_SUMS = {
+    "vllm:time_to_first_token_seconds_sum": "ttft",
+    "vllm:request_time_per_output_token_seconds_sum": "tpot",
+}
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -37,6 +42,7 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
     totals = {"running": 0.0, "waiting": 0.0, "kv_usage": 0.0}
     capacity = 0
     buckets: dict[str, dict[float, float]] = {"ttft": {}, "tpot": {}}
+    sums = {"ttft": 0.0, "tpot": 0.0}
     for line in metrics_text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -47,6 +53,11 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
         histogram = _HISTOGRAMS.get(line[:name_end]) if name_end > 0 else None
         if histogram is not None:
             _add_bucket(buckets[histogram], line)
+            continue
+        summed = _SUMS.get(line[:name_end]) if name_end > 0 else None
+        if summed is not None:
+            with contextlib.suppress(IndexError, ValueError):
+                sums[summed] += float(line.rsplit(" ", 1)[1])
             continue
         field = _FIELDS.get(line[:name_end]) if name_end > 0 else None
         if field is None:
@@ -60,8 +71,8 @@ def parse_vllm_load(metrics_text: str) -> ReplicaLoad:
         waiting=int(totals["waiting"]),
         kv_usage=min(max(totals["kv_usage"], 0.0), 1.0),
         kv_capacity_tokens=capacity,
-        ttft=_histogram(buckets["ttft"]),
-        tpot=_histogram(buckets["tpot"]),
+        ttft=_histogram(buckets["ttft"], sums["ttft"]),
+        tpot=_histogram(buckets["tpot"], sums["tpot"]),
     )
 
 
@@ -75,9 +86,10 @@ def _add_bucket(into: dict[float, float], line: str) -> None:
         return
 
 
-def _histogram(buckets: dict[float, float]) -> LatencyHistogram | None:
+def _histogram(buckets: dict[float, float], total_s: float) -> LatencyHistogram | None:
     if not buckets:
         return None
     bounds = sorted(b for b in buckets if math.isfinite(b))
     total = buckets.get(math.inf, buckets[bounds[-1]] if bounds else 0.0)
-    return LatencyHistogram(bounds, [int(buckets[b]) for b in bounds], int(total))
+    observed = total_s if math.isfinite(total_s) and total_s > 0 else 0.0
+    return LatencyHistogram(bounds, [int(buckets[b]) for b in bounds], int(total), observed)

@@ -10,13 +10,15 @@ waiting and TTFT, decode on KV usage, waiting and TPOT; `Signals.watches`).
 
 Capacity: a replica carries what the capacity planner gives for the pool's workload at its
 SLO (autoscale.capacity, poolmgr/autoscale_capacity.py; else the config's
-`target_in_flight`), or fewer where the engines show they run fewer: a replica that queues
-requests (waiting > 0) runs all it can, so its running count is what one replica holds (its
-max_num_seqs or KV room). The load needs ceil(load / capacity) replicas, plus
-`warm_spares`; a forecast rate needs its requests in flight (rate x a request's time in a
-replica, Little's law) over the capacity: that time measured on the pool's own engines once
-enough requests ran (poolmgr/request_time.py), else the model's (its in flight over its
-requests/s), else the load now over the rate now.
+`target_in_flight`), replaced by the batch at which the pool's engines' TPOT p95 reaches the
+SLO once enough requests ran at enough batches (poolmgr/batch_limit.py), or fewer where the
+engines show they run fewer: a replica that queues requests (waiting > 0) runs all it can,
+so its running count is what one replica holds (its max_num_seqs or KV room). The load
+needs ceil(load / capacity) replicas, plus `warm_spares`; a forecast rate needs its
+requests in flight (rate x a request's time in a replica, Little's law) over the capacity:
+that time measured on the pool's own engines once enough requests ran
+(poolmgr/request_time.py), else the model's (its in flight over its requests/s), else the
+load now over the rate now.
 
 Rules, every one clamped to autoscale.min..max:
 - up, fast: when the engines queue more than `max_waiting_per_replica` per replica, the KV
@@ -57,6 +59,7 @@ from typing import Literal
 
 from hpcserve.config import AutoscaleConfig
 from hpcserve.poolmgr.autoscale_roles import watches
+from hpcserve.poolmgr.batch_limit import BatchLimit
 from hpcserve.poolmgr.request_time import MeasuredTime
 
 # With a forecast, the scale-down window's share of the forecast horizon (the pool's
@@ -115,6 +118,9 @@ class Signals:
     # A request's time running in a replica, measured on the pool's engines (Little's law,
     # poolmgr/request_time.py); None: too few requests yet (the model's time holds).
     request_time: MeasuredTime | None = None
+    # The batch at which a replica's TPOT p95 reaches the SLO, measured on the pool's engines
+    # (poolmgr/batch_limit.py); None: the window cannot say (the capacity above holds).
+    batch_limit: BatchLimit | None = None
     # A pool of higher priority waits for GPUs (poolmgr/gpu_take.py): this one does not grow
     # (it would compete for the same GPUs); "": none waits.
     yield_to: str = ""
@@ -138,24 +144,43 @@ class Signals:
         n = len(self.replicas)
         return sum(r.kv_usage for r in self.replicas) / n if n else 0.0
 
+    def carried(self, target_in_flight: int) -> tuple[int, bool]:
+        """What one replica carries within the SLO, before the engines' queueing: the
+        measured batch at the TPOT SLO where it says (poolmgr/batch_limit.py), else the
+        modelled capacity, else the config's target; and whether it is a limit the load must
+        stay under (measured or modelled) rather than the admin's target."""
+        prior = self.capacity or target_in_flight
+        modelled = bool(self.capacity and self.capacity_rps)
+        if self.batch_limit is None:
+            return prior, modelled
+        measured = self.batch_limit.capacity(prior)
+        return measured, modelled or measured != prior
+
     def per_replica(self, target_in_flight: int, queued_over: int = 0) -> int:
-        """What one replica carries: the modelled capacity (else the config's target), or
-        what a queueing one runs, whichever is lower. A replica queues when more than
-        `queued_over` requests wait in it (the pool's max_waiting_per_replica): a request or
-        two waiting for the engine's next step, or behind a long prompt's prefill, is how
-        any busy engine looks at a random instant, not a limit (issue 19's compressed day:
-        one such replica running 1 sized the whole pool at 1 per replica, 9->24)."""
+        """What one replica carries (`carried`), or what a queueing one runs, whichever is
+        lower. A replica queues when more than `queued_over` requests wait in it (the pool's
+        max_waiting_per_replica): a request or two waiting for the engine's next step, or
+        behind a long prompt's prefill, is how any busy engine looks at a random instant,
+        not a limit (issue 19's compressed day: one such replica running 1 sized the whole
+        pool at 1 per replica, 9->24)."""
         full = [r.running for r in self.replicas if r.waiting > queued_over and r.running > 0]
-        return max(1, min([self.capacity or target_in_flight, *full]))
+        return max(1, min([self.carried(target_in_flight)[0], *full]))
 
     def capacity_text(self, target_in_flight: int, queued_over: int = 0) -> str:
         """One replica's capacity and its source, for `hpcserve status`."""
         modelled = self.capacity or target_in_flight
         rate = f", {self.capacity_rps:.3g} req/s" if self.capacity_rps else ""
         source = self.capacity_source or "config target_in_flight, not modelled"
-        text = f"one replica sustains {modelled} in flight{rate} ({source})"
+        carried = self.carried(target_in_flight)[0]
+        if self.batch_limit is not None:
+            text = (
+                f"one replica sustains {carried} in flight (measured: "
+                f"{self.batch_limit.describe()}; before: {modelled}{rate}, {source})"
+            )
+        else:
+            text = f"one replica sustains {modelled} in flight{rate} ({source})"
         now = self.per_replica(target_in_flight, queued_over)
-        if now < modelled:
+        if now < carried:
             text += f"; its engines queue at {now} running, so {now} holds now"
         if self.request_time is not None:
             text += f"; a request runs {self.request_time.describe()}"
@@ -179,10 +204,10 @@ class Signals:
         )
 
     def margin(self, cfg: AutoscaleConfig) -> float:
-        """The queueing margin: on a modelled capacity (the planner's largest batch within
+        """The queueing margin: on a measured or modelled capacity (the largest batch within
         the SLO, a limit the load must stay under), none on the config's target_in_flight
         (a target the admin set below the limit)."""
-        return cfg.queueing_margin if self.capacity and self.capacity_rps else 0.0
+        return cfg.queueing_margin if self.carried(cfg.target_in_flight)[1] else 0.0
 
     def request_s(self) -> float | None:
         """Seconds a request spends in a replica: measured on the pool's engines over the

@@ -39,6 +39,7 @@ from hpcserve.poolmgr.autoscale import (
 from hpcserve.poolmgr.autoscale_capacity import Capacities
 from hpcserve.poolmgr.autoscale_roles import watches
 from hpcserve.poolmgr.autoscale_schedule import scheduled_floor
+from hpcserve.poolmgr.batch_limit import BatchLimits
 from hpcserve.poolmgr.batch_pools import is_elastic
 from hpcserve.poolmgr.forecast import Forecasts
 from hpcserve.poolmgr.gpu_take import WAITING_FOR_GPUS, Donor, Shape, Waiting, choose
@@ -87,6 +88,15 @@ class AutoscaleMetrics:
             ["pool", "source"],
             registry=registry,
         )
+        self.capacity = Gauge(
+            "hpcserve_poolmgr_autoscale_capacity_in_flight",
+            "Requests one replica of an autoscaled pool carries within its SLO (source "
+            "measured: the batch at which its engines' TPOT p95 reaches the SLO, "
+            "poolmgr/batch_limit.py; modelled: the capacity planner's, else the config's "
+            "target_in_flight)",
+            ["pool", "source"],
+            registry=registry,
+        )
         self.decisions = Counter(
             "hpcserve_poolmgr_autoscale_decisions_total",
             "Changes of an autoscaled pool's target, by direction (up, down, override)",
@@ -113,6 +123,8 @@ class AutoscaledPools:
         self.capacities = Capacities()  # what one replica sustains (autoscale_capacity.py)
         self.request_times = RequestTimes()  # a request's time in a replica, measured
         self._timed: dict[str, bool] = {}  # pool -> its sizing uses the measured time
+        self.batch_limits = BatchLimits()  # the batch at the TPOT SLO, measured
+        self._limited: dict[str, int] = {}  # pool -> the measured capacity last logged
         # pool -> why it must not grow: a pool of higher priority waits for GPUs (take_gpus)
         self.yield_to: dict[str, str] = {}
         self._take_reason = ""  # why nothing was taken at the last poll (logged on change)
@@ -143,6 +155,7 @@ class AutoscaledPools:
         first = self._first
         if replicas is None:
             self.request_times.gap()
+            self.batch_limits.gap()
         else:
             self._first = False
             self._routed = {r.replica_id: r.routed for r in replicas}
@@ -154,14 +167,17 @@ class AutoscaledPools:
         for name in set(self.states) - set(scaled):  # autoscale removed by a reload
             del self.states[name]
             self.request_times.forget(name)
+            self.batch_limits.forget(name)
             self._timed.pop(name, None)
+            self._limited.pop(name, None)
             self.active_at.pop(name, None)
             self.decisions.pop(name, None)
             self.signals.pop(name, None)
             self.metrics.target.remove(name)
             for source in ("measured", "modelled"):
-                with contextlib.suppress(KeyError):
-                    self.metrics.request_seconds.remove(name, source)
+                for gauge in (self.metrics.request_seconds, self.metrics.capacity):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(name, source)
             for slo in ("ttft", "tpot"):
                 with contextlib.suppress(KeyError):
                     self.metrics.slo_objective.remove(name, slo)
@@ -219,6 +235,14 @@ class AutoscaledPools:
                 tpot_p95_short=self._p95(auto, ids, "tpot", auto.slo_short_window_s, now),
                 tpot_p95_long=self._p95(auto, ids, "tpot", auto.slo_long_window_s, now),
             )
+            if replicas is not None and watches(pool.role, "tpot"):
+                # Draining replicas too: what they finish ran at the batch they held.
+                self.batch_limits.observe(
+                    name, [r for r in replicas if r.pool == name], now, self.speedup
+                )
+                limit = self.batch_limits.measured(name, auto.tpot_p95_s)
+                signals = replace(signals, batch_limit=limit)
+                self._log_batch_limit(name, auto, signals)
             if replicas is not None and not first:
                 arrivals = sum(max(r.routed - routed_before.get(r.replica_id, 0), 0)
                                for r in serving)  # fmt: skip
@@ -237,6 +261,7 @@ class AutoscaledPools:
                     signals = replace(signals, request_time=self.request_times.measured(name))
                     self._log_request_time(name, signals)
             self._export_request_time(name, signals)
+            self._export_capacity(name, auto, signals)
             horizon = (lead_s or {}).get(name, 0.0)
             signals = replace(
                 signals,
@@ -277,6 +302,35 @@ class AutoscaledPools:
         else:
             log.info("pool %s: too few requests in the last hour to measure their time in a "
                      "replica: sizing with the model's again", pool)  # fmt: skip
+
+    def _log_batch_limit(self, pool: str, auto: AutoscaleConfig, sig: Signals) -> None:
+        """One line when the sizing starts or stops using the measured batch at the TPOT
+        SLO, or that figure moves by a quarter or more since the last line."""
+        before = self._limited.get(pool)
+        if sig.batch_limit is None:
+            if before is not None:
+                del self._limited[pool]
+                log.info("pool %s: its engines' TPOT no longer gives a batch limit; one "
+                         "replica carries the model's or configured %d again", pool,
+                         sig.capacity or auto.target_in_flight)  # fmt: skip
+            return
+        carried = sig.carried(auto.target_in_flight)[0]
+        if before is not None and abs(carried - before) < 0.25 * before:
+            return
+        self._limited[pool] = carried
+        log.info("pool %s: one replica carries %d in flight, measured: %s (the model or "
+                 "config: %d)", pool, carried, sig.batch_limit.describe(),
+                 sig.capacity or auto.target_in_flight)  # fmt: skip
+
+    def _export_capacity(self, pool: str, auto: AutoscaleConfig, sig: Signals) -> None:
+        self.metrics.capacity.labels(pool, "modelled").set(sig.capacity or auto.target_in_flight)
+        if sig.batch_limit is not None:
+            self.metrics.capacity.labels(pool, "measured").set(
+                sig.carried(auto.target_in_flight)[0]
+            )
+        else:
+            with contextlib.suppress(KeyError):
+                self.metrics.capacity.remove(pool, "measured")
 
     def _export_request_time(self, pool: str, sig: Signals) -> None:
         for source, seconds in (

@@ -35,12 +35,20 @@ def quantile(q: float, hist: LatencyHistogram) -> float | None:
     return hist.bounds[-1]  # beyond the last finite bound: that bound, as Prometheus does
 
 
+def merge(a: LatencyHistogram, b: LatencyHistogram) -> LatencyHistogram:
+    """Two histograms of the same buckets as one."""
+    return LatencyHistogram(
+        a.bounds, [x + y for x, y in zip(a.counts, b.counts, strict=True)],
+        a.total + b.total, a.sum + b.sum,
+    )  # fmt: skip
+
+
 def _delta(now: LatencyHistogram, then: LatencyHistogram | None) -> LatencyHistogram:
     if then is None or then.bounds != now.bounds or then.total > now.total:  # restarted
         return now
     return LatencyHistogram(
         now.bounds, [a - b for a, b in zip(now.counts, then.counts, strict=True)],
-        now.total - then.total,
+        now.total - then.total, max(now.sum - then.sum, 0.0),
     )  # fmt: skip
 
 
@@ -50,10 +58,7 @@ def _sum(hists: Iterable[LatencyHistogram]) -> LatencyHistogram | None:
         if out is None:
             out = hist
         elif hist.bounds == out.bounds:
-            out = LatencyHistogram(
-                out.bounds, [a + b for a, b in zip(out.counts, hist.counts, strict=True)],
-                out.total + hist.total,
-            )  # fmt: skip
+            out = merge(out, hist)
     return out
 
 

@@ -102,6 +102,7 @@ class Outcome:
     ttft_s: float = -1.0
     tpot_s: float = -1.0
     gaps: list[float] = field(default_factory=list)  # every token gap, seconds
+    scheduled_s: float = -1.0  # when its replica first scheduled it (its queue wait ended)
 
 
 class _UnhashedKV(KVCache):
@@ -260,6 +261,7 @@ class PDRun:
         last = self._last_token.get(req.request_id)
         if last is None:
             outcome.ttft_s = now - outcome.arrival_s
+            outcome.scheduled_s = req.scheduled_s
         else:
             outcome.gaps.append(now - last)
         self._last_token[req.request_id] = now

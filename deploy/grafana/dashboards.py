@@ -125,6 +125,7 @@ DASHBOARDS: dict[str, tuple[str, list[str], list[Panel]]] = {
             ("Autoscaled pools: measured cold start (queue, startup medians; total p90)", "s", [("{{pool}} {{part}}", f"max by (pool, part) (hpcserve_poolmgr_cold_start_seconds{{{P}}})")]),
             ("Autoscaled pools: arrivals now and forecast one cold start ahead", "reqps", [("{{pool}} {{kind}}", f"max by (pool, kind) (hpcserve_poolmgr_autoscale_rate_rps{{{P}}})")]),
             ("Autoscaled pools: a request's time in a replica, measured and modelled", "s", [("{{pool}} {{source}}", f"max by (pool, source) (hpcserve_poolmgr_autoscale_request_seconds{{{P}}})")]),
+            ("Autoscaled pools: one replica's capacity in flight, measured (TPOT at the SLO) and modelled", "short", [("{{pool}} {{source}}", f"max by (pool, source) (hpcserve_poolmgr_autoscale_capacity_in_flight{{{P}}})")]),
             ("Requests held while a pool wakes from zero, per hour (timeout: answered 503)", "short", [("{{model}} {{outcome}}", "sum by (model, outcome) (increase(hpcserve_gateway_wake_holds_total[1h]))")]),
         ],
     ),

@@ -251,9 +251,11 @@ def test_a_pool_at_zero_wakes_on_the_first_request_serves_it_and_goes_back_to_ze
             status.pools[0].cold_start
         )
         assert ColdStarts(rig.state_dir).samples["p"][0].job_id == job.job_id
-        # The engine's TTFT histogram comes with its heartbeats (the SLO signal's source).
-        wait_for("the TTFT histogram on a heartbeat", lambda: any(
+        # The engine's TTFT and TPOT histograms come with its heartbeats (the SLO signal's
+        # source), the TPOT's with its sum (the measured batch limit's mean).
+        wait_for("the TTFT and TPOT histograms on a heartbeat", lambda: any(
             r.load.ttft is not None and r.load.ttft.total >= 1
+            and r.load.tpot is not None and r.load.tpot.total >= 1 and r.load.tpot.sum > 0
             for r in rig.serving("p")))  # fmt: skip
         # No request for idle_s: it drains back to zero (the job ends COMPLETED, not killed).
         wait_for("scaled to zero", reason_starts("down 1->0: no request for "), timeout=120)

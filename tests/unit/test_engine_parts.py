@@ -47,12 +47,14 @@ def test_parse_vllm_load_reports_the_ttft_and_tpot_histograms_summed_over_engine
     ) + (
         'vllm:request_time_per_output_token_seconds_bucket{le="0.05",model_name="m"} 7.0\n'
         'vllm:request_time_per_output_token_seconds_bucket{le="+Inf",model_name="m"} 9.0\n'
+        'vllm:request_time_per_output_token_seconds_sum{model_name="m"} 0.25\n'
         'vllm:time_to_first_token_seconds_sum{model_name="m"} 3.5\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="n"} 0.5\n'
         'vllm:time_to_first_token_seconds_bucket{model_name="m"} 5\n'  # no le: skipped
     )  # fmt: skip
     load = parse_vllm_load(text)
-    assert load.ttft == LatencyHistogram([0.1, 0.5], [1, 5], 6)
-    assert load.tpot == LatencyHistogram([0.05], [7], 9)
+    assert load.ttft == LatencyHistogram([0.1, 0.5], [1, 5], 6, 4.0)
+    assert load.tpot == LatencyHistogram([0.05], [7], 9, 0.25)
     assert parse_vllm_load(VLLM_METRICS).ttft is None
 
 

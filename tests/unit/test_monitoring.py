@@ -199,6 +199,8 @@ def test_the_slurm_dashboard_shows_the_autoscalers_slo_cold_start_forecast_and_w
         "poolmgr_autoscale_slo_objective_seconds",
         "poolmgr_cold_start_seconds",
         "poolmgr_autoscale_rate_rps",
+        "poolmgr_autoscale_request_seconds",
+        "poolmgr_autoscale_capacity_in_flight",
         "gateway_wake_holds_total",
     ):
         assert f"hpcserve_{family}" in queries, family
