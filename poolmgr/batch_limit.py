@@ -26,15 +26,13 @@ of batches is the measured range, the crossing interpolated between them its poi
 Past the batches seen (every bin within the SLO), a straight line through the bins' mean
 TPOT (the sum over the count) against the batch, scaled by the TPOT spread's p95 over its
 mean (read off the bins' buckets together: each bin's count at or below a bound is the
-spread's CDF at bound / the bin's mean), says where the SLO would be reached: a guess, so the
-range is then the largest batch seen to that guess, at most twice the largest batch seen.
+spread's CDF at bound / the bin's mean), says where the SLO would be reached: a guess.
 
 What the figure replaces (`BatchLimit.capacity`): where the batches seen reach the SLO, the
-crossing replaces the model's figure or the config's target, lower or higher. Past them, the
-prior holds where it lies within the range (the largest batch seen to the guess); outside,
-the nearer end replaces it: a prior below the batches the engines held the SLO at goes up to
-the largest, one above the guess comes down to it (at most twice the largest batch seen:
-the next hour's larger batches check the guess). No figure
+crossing replaces the model's figure or the config's target, lower or higher. Past them, a
+prior above the guess comes down to it (the line already rises towards the SLO), and one
+below the guess goes up to it, but no further than twice the largest batch seen (the next
+hour's larger batches check the guess); a prior between the two holds. No figure
 with too few requests (MIN_REQUESTS, MIN_BIN_REQUESTS per bin), batches spanning under
 MIN_SPREAD, every bin over the SLO (not a batch limit here: the SLO burn rule scales up for
 it), or, past the data, TPOT not rising with the batch (by MIN_RISE).
@@ -301,8 +299,8 @@ class BatchLimits:
         guess = _past_the_data(rows, slo_s)
         if guess is None:
             return None
-        high = max(largest, min(guess, MAX_RAISE * largest))
-        return BatchLimit(largest, high, guess, False, requests, smallest, largest, slo_s)
+        low = max(largest, min(guess, MAX_RAISE * largest))
+        return BatchLimit(low, max(low, guess), guess, False, requests, smallest, largest, slo_s)
 
 
 def _past_the_data(rows: Sequence[tuple[float, LatencyHistogram]], slo_s: float) -> float | None:

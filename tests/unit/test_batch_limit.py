@@ -118,9 +118,9 @@ def test_an_slo_between_bucket_bounds_errs_low() -> None:
 @pytest.mark.parametrize(
     ("prior", "expected"),
     [
-        (4, 6),  # a guess below the batches the engines held the SLO at: up to the largest
-        (8, 8),  # within the range (6 seen, the guess 12): holds
-        (48, 12),  # above: down to the guess, at most twice the largest seen
+        (4, 12),  # a guess below: up towards the line's guess, to twice the largest seen
+        (16, 16),  # between twice the largest seen and the guess: holds
+        (48, 24),  # above the guess (24.0): down to it
     ],
 )
 def test_past_the_batches_seen_the_range_bounds_the_prior(prior: int, expected: int) -> None:
@@ -130,7 +130,7 @@ def test_past_the_batches_seen_the_range_bounds_the_prior(prior: int, expected: 
     assert limit is not None
     assert not limit.reached
     assert limit.batch == pytest.approx(24.05, rel=0.1)  # the line's guess
-    assert (limit.low, limit.high) == (6, 12)
+    assert (limit.low, limit.high) == (12, limit.batch)
     assert limit.capacity(prior) == expected
     assert "up to batch 6, the largest seen; its mean's line reaches 50 ms at" in (limit.describe())
 
@@ -197,7 +197,7 @@ def test_the_window_is_an_hour_of_real_time() -> None:
 
 
 LIMIT = BatchLimit(24.0, 28.0, 24.5, True, 700, 4.0, 32.0, 0.05)
-PAST = BatchLimit(6.0, 12.0, 23.8, False, 700, 2.0, 6.0, 0.05)
+PAST = BatchLimit(12.0, 23.8, 23.8, False, 700, 2.0, 6.0, 0.05)
 
 
 @pytest.mark.parametrize(
@@ -207,9 +207,9 @@ PAST = BatchLimit(6.0, 12.0, 23.8, False, 700, 2.0, 6.0, 0.05)
         (None, None, None, 8, False),  # the config's target: no margin
         (LIMIT, 40, 4.0, 24, True),  # measured within the data: replaces the model
         (LIMIT, None, None, 24, True),  # and the target
-        (PAST, 40, 4.0, 12, True),  # past the data: a model above comes down to the guess
-        (PAST, None, None, 8, False),  # the target within the range holds, no margin
-        (PAST, 4, 1.0, 6, True),  # a model below the batches held goes up to them
+        (PAST, 40, 4.0, 23, True),  # past the data: a model above comes down to the guess
+        (PAST, 16, 2.0, 16, True),  # one between twice the largest seen and the guess holds
+        (PAST, None, None, 12, True),  # the target below goes up, to twice the largest seen
     ],
 )
 def test_the_autoscaler_carries_the_measured_batch(
@@ -222,6 +222,11 @@ def test_the_autoscaler_carries_the_measured_batch(
     sig = Signals(replicas=[], capacity=capacity, capacity_rps=capacity_rps, batch_limit=limit)
     assert sig.carried(8) == (carried, is_limit)
     assert sig.per_replica(8) == carried
+
+
+def test_a_target_the_guess_does_not_contradict_holds_without_a_margin() -> None:
+    sig = Signals(replicas=[], batch_limit=PAST)
+    assert sig.carried(16) == (16, False)
 
 
 CONFIG = parse_config(
